@@ -1,0 +1,32 @@
+#ifndef SDPA_INTERNAL_MACROS_HPP
+#define SDPA_INTERNAL_MACROS_HPP
+
+#include <Eigen/Core>
+#include <type_traits>
+
+/// Compile-time check whose message is an upper-case sentence telling the user what to do, as
+/// Eigen's EIGEN_STATIC_ASSERT: `SDPA_STATIC_ASSERT(cond, SCALE_POLICY_MUST_PROVIDE_VALUE)`.
+#define SDPA_STATIC_ASSERT(COND, MSG) static_assert(COND, #MSG)
+
+namespace sdpa {
+
+/// Index type of every shape in the library (Eigen's, signed).
+using Index = Eigen::Index;
+
+namespace internal {
+
+/// Scalars the kernels compute in. Half precision arrives with the fast kernels.
+template <typename T>
+inline constexpr bool IsSupportedScalar = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+template <typename Scalar>
+using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+template <typename Scalar>
+using RowMajorMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename Scalar>
+using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
+}  // namespace internal
+}  // namespace sdpa
+
+#endif  // SDPA_INTERNAL_MACROS_HPP

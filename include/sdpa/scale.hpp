@@ -1,0 +1,178 @@
+/**
+ * \file sdpa/scale.hpp
+ * \brief Scale policies: the tau in softmax(tau * q k^T + mask) v.
+ *
+ * The scale is a type, not a bare float, because the right value depends on the head dimension
+ * d_k (seed C3/C7: Var(q.k) = d_k, so tau = 1/sqrt(d_k) restores unit variance) and a bare
+ * float silently goes stale when d_k changes. Every policy answers `value<Scalar>(d_k)`.
+ *
+ * | policy              | tau                     | seed |
+ * |---------------------|-------------------------|------|
+ * | `InvSqrtDk{}`       | 1/sqrt(d_k) (default)   | C1, C7, C9 |
+ * | `None{}`            | 1                       | C4, C8 |
+ * | `Constant{c}`       | c                       |      |
+ * | `Temperature{T}`    | 1/T                     | C10  |
+ * | `Learnable<S>`      | a parameter with a gradient, starts at 1/sqrt(d_k) | C17 |
+ */
+#ifndef SDPA_SCALE_HPP
+#define SDPA_SCALE_HPP
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "internal/macros.hpp"
+
+namespace sdpa::scale {
+
+/**
+ * \brief tau = 1/sqrt(d_k), the scale of "Attention Is All You Need" and of every pretrained model
+ * (seed C1, C9). The default everywhere.
+ *
+ * For d_k = 0 every logit is an empty sum, 0, and tau is irrelevant; it is defined as 1 there so
+ * that 0 * tau stays 0 instead of 0 * inf = NaN.
+ */
+struct InvSqrtDk {
+  static constexpr bool IsScalePolicy = true;
+  /// tau is 1 for every d_k, so kernels can skip the multiply.
+  static constexpr bool IsIdentity = false;
+  /// Holds a parameter and accumulates dL/dtau.
+  static constexpr bool IsLearnable = false;
+
+  template <typename Scalar>
+  Scalar value(Index headDim) const {
+    return headDim > 0 ? Scalar(1) / std::sqrt(Scalar(headDim)) : Scalar(1);
+  }
+};
+
+/// \brief tau = 1: plain (unscaled) dot-product attention. The case the seed article warns about
+/// (C4: with d_k = 64 the logits have std 8 and the softmax saturates).
+struct None {
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = true;
+  static constexpr bool IsLearnable = false;
+
+  template <typename Scalar>
+  Scalar value(Index /*headDim*/) const {
+    return Scalar(1);
+  }
+};
+
+/// \brief tau = c, a runtime constant (for example a model's `softmax_scale`). Must be finite.
+struct Constant {
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = false;
+
+  explicit Constant(double c) : m_value(c) {
+    if (!std::isfinite(c))
+      throw std::invalid_argument("sdpa::scale::Constant: the scale must be finite, got " + std::to_string(c));
+  }
+  template <typename Scalar>
+  Scalar value(Index /*headDim*/) const {
+    return Scalar(m_value);
+  }
+  double constant() const { return m_value; }
+
+ private:
+  double m_value;
+};
+
+/**
+ * \brief tau = 1/T, a softmax temperature (seed C10): T > 1 flattens the attention, T < 1
+ * sharpens it. `Temperature{std::sqrt(d_k)}` equals `InvSqrtDk{}`. T must be finite and > 0.
+ */
+struct Temperature {
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = false;
+
+  explicit Temperature(double t) : m_temperature(t) {
+    if (!(t > 0) || !std::isfinite(t))
+      throw std::invalid_argument("sdpa::scale::Temperature: the temperature must be finite and > 0, got " +
+                                  std::to_string(t));
+  }
+  template <typename Scalar>
+  Scalar value(Index /*headDim*/) const {
+    return Scalar(1) / Scalar(m_temperature);
+  }
+  double temperature() const { return m_temperature; }
+
+ private:
+  double m_temperature;
+};
+
+/**
+ * \brief A learnable tau: a parameter with an accumulated gradient dL/dtau (seed C17).
+ *
+ * Default-constructed it starts at 1/sqrt(d_k) of the head it scales: the seed's lesson is that
+ * a learnable scale started at 1 (unscaled) collapses early while one started at 1/sqrt(d_k) is
+ * stable. `Learnable<float>{1.0f}` starts elsewhere on purpose; `forHeadDim(d_k)` pins the start
+ * to a known head dimension so that `value()` can be read before the first forward pass.
+ *
+ * The backward pass adds to the gradient with `accumulateGrad`; an optimiser reads `grad()`,
+ * writes `setValue()` and calls `zeroGrad()`.
+ */
+template <typename Scalar_>
+class Learnable {
+ public:
+  using Scalar = Scalar_;
+  SDPA_STATIC_ASSERT(internal::IsSupportedScalar<Scalar>, LEARNABLE_SCALE_PARAMETER_MUST_BE_float_OR_double);
+
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = true;
+
+  /// Starts at 1/sqrt(d_k) of the head it first scales (no value stored until `setValue`).
+  Learnable() = default;
+  /// Starts at `start`, which must be finite.
+  explicit Learnable(Scalar start) { setValue(start); }
+  /// Starts at 1/sqrt(headDim), stored now.
+  static Learnable forHeadDim(Index headDim) { return Learnable(InvSqrtDk{}.value<Scalar>(headDim)); }
+
+  template <typename S>
+  S value(Index headDim) const {
+    return m_hasValue ? S(m_value) : InvSqrtDk{}.value<S>(headDim);
+  }
+  /// Whether a value is stored; if not, tau is 1/sqrt(d_k) of the call.
+  bool hasValue() const { return m_hasValue; }
+  /// The stored value; throws std::logic_error if none is stored yet (use value(d_k)).
+  Scalar value() const {
+    if (!m_hasValue)
+      throw std::logic_error(
+          "sdpa::scale::Learnable::value(): no value stored yet; it is 1/sqrt(d_k) until set, read value(d_k)");
+    return m_value;
+  }
+  void setValue(Scalar v) {
+    if (!std::isfinite(v))
+      throw std::invalid_argument("sdpa::scale::Learnable: the value must be finite, got " + std::to_string(v));
+    m_value = v;
+    m_hasValue = true;
+  }
+
+  /// Accumulated dL/dtau since the last zeroGrad().
+  Scalar grad() const { return m_grad; }
+  void accumulateGrad(Scalar g) { m_grad += g; }
+  void zeroGrad() { m_grad = Scalar(0); }
+
+ private:
+  Scalar m_value = Scalar(0);
+  Scalar m_grad = Scalar(0);
+  bool m_hasValue = false;
+};
+
+namespace internal {
+template <typename T, typename = void>
+struct IsPolicyImpl : std::false_type {};
+template <typename T>
+struct IsPolicyImpl<T, std::void_t<decltype(T::IsScalePolicy)>> : std::bool_constant<T::IsScalePolicy> {};
+}  // namespace internal
+
+/// True for the scale policies above (and user policies that follow the same interface).
+template <typename T>
+inline constexpr bool IsPolicy = internal::IsPolicyImpl<std::decay_t<T>>::value;
+
+}  // namespace sdpa::scale
+
+#endif  // SDPA_SCALE_HPP

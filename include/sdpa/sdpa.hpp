@@ -1,0 +1,14 @@
+/**
+ * \file sdpa/sdpa.hpp
+ * \brief The umbrella header: `#include <sdpa/sdpa.hpp>` is all a user needs.
+ */
+#ifndef SDPA_SDPA_HPP
+#define SDPA_SDPA_HPP
+
+#include "forward.hpp"
+#include "mask.hpp"
+#include "scale.hpp"
+#include "softmax.hpp"
+#include "version.hpp"
+
+#endif  // SDPA_SDPA_HPP

@@ -1,0 +1,163 @@
+/**
+ * \file sdpa/softmax.hpp
+ * \brief Numerically stable softmax, logSumExp, the softmax Jacobian and its vector-Jacobian
+ * product (seed C2, C5, C13).
+ *
+ * Every softmax subtracts the maximum first, so logits of 1e4 stay finite although exp
+ * overflows above 88.72 in fp32 (C13). A row whose entries are all -inf (fully masked) gives
+ * probabilities 0 and logSumExp -inf, never NaN; a NaN entry makes its whole row NaN.
+ */
+#ifndef SDPA_SOFTMAX_HPP
+#define SDPA_SOFTMAX_HPP
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "internal/checks.hpp"
+#include "internal/macros.hpp"
+
+namespace sdpa {
+namespace internal {
+
+template <typename Derived>
+void assertFloatingVector() {
+  SDPA_STATIC_ASSERT(IsSupportedScalar<typename Derived::Scalar>, SOFTMAX_INPUT_MUST_BE_float_OR_double__USE_cast);
+  SDPA_STATIC_ASSERT(Derived::IsVectorAtCompileTime,
+                     THIS_FUNCTION_TAKES_A_VECTOR__USE_rowSoftmax_OR_rowLogSumExp_FOR_A_MATRIX);
+}
+
+/**
+ * Replaces x (a row or vector of logits) by softmax(x) and returns logSumExp(x).
+ * All -inf (or empty): x becomes 0, returns -inf. Any NaN: x becomes NaN, returns NaN.
+ */
+template <typename Derived>
+typename Derived::Scalar softmaxInPlace(const Eigen::MatrixBase<Derived>& x_) {
+  using Scalar = typename Derived::Scalar;
+  auto& x = const_cast<Eigen::MatrixBase<Derived>&>(x_);  // Eigen's idiom to write into blocks
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+  if (x.size() == 0) return -inf;
+  const Scalar m = x.template maxCoeff<Eigen::PropagateNaN>();
+  if (m == -inf) {
+    x.setZero();
+    return -inf;
+  }
+  // Eigen's vectorised exp clamps its argument (to -88.4 in float, -709 in double), so
+  // exp(-inf) comes out as a tiny positive number, not 0; a hidden key would then get a
+  // nonzero weight and 1e-309 * inf = inf would leak its value. Hidden entries are set to 0.
+  // m = +inf leaves exp(inf - inf) = NaN in the row: an infinite logit has no finite softmax.
+  x = (x.array() == -inf).select(Scalar(0), (x.array() - m).exp()).matrix();
+  const Scalar sum = x.sum();  // >= 1: the maximum contributes exp(0)
+  x /= sum;
+  return m + std::log(sum);
+}
+
+}  // namespace internal
+
+/**
+ * \brief softmax(x)_i = exp(x_i - logSumExp(x)) of a vector (seed C2: softmax([0,1,2]) =
+ * [0.0900, 0.2447, 0.6652]). Same shape as x. For a matrix, use rowSoftmax.
+ */
+template <typename Derived>
+typename Derived::PlainObject softmax(const Eigen::MatrixBase<Derived>& x) {
+  internal::assertFloatingVector<Derived>();
+  typename Derived::PlainObject p = x;
+  internal::softmaxInPlace(p);
+  return p;
+}
+
+/// \brief log sum_i exp(x_i) of a vector, computed as m + log sum exp(x_i - m). -inf when empty
+/// or all -inf.
+template <typename Derived>
+typename Derived::Scalar logSumExp(const Eigen::MatrixBase<Derived>& x) {
+  internal::assertFloatingVector<Derived>();
+  typename Derived::PlainObject p = x;
+  return internal::softmaxInPlace(p);
+}
+
+/// \brief Softmax of every row of an n x m matrix (each row a distribution over m entries).
+template <typename Derived>
+internal::Matrix<typename Derived::Scalar> rowSoftmax(const Eigen::MatrixBase<Derived>& x) {
+  SDPA_STATIC_ASSERT(internal::IsSupportedScalar<typename Derived::Scalar>,
+                     SOFTMAX_INPUT_MUST_BE_float_OR_double__USE_cast);
+  internal::RowMajorMatrix<typename Derived::Scalar> p = x;
+  for (Index i = 0; i < p.rows(); ++i) internal::softmaxInPlace(p.row(i));
+  return p;
+}
+
+/// \brief logSumExp of every row of an n x m matrix: an n-vector.
+template <typename Derived>
+internal::Vector<typename Derived::Scalar> rowLogSumExp(const Eigen::MatrixBase<Derived>& x) {
+  SDPA_STATIC_ASSERT(internal::IsSupportedScalar<typename Derived::Scalar>,
+                     SOFTMAX_INPUT_MUST_BE_float_OR_double__USE_cast);
+  internal::RowMajorMatrix<typename Derived::Scalar> p = x;
+  internal::Vector<typename Derived::Scalar> lse(p.rows());
+  for (Index i = 0; i < p.rows(); ++i) lse(i) = internal::softmaxInPlace(p.row(i));
+  return lse;
+}
+
+/**
+ * \brief The softmax Jacobian J = diag(p) - p p^T, n x n, for probabilities p = softmax(x)
+ * (seed C5): J_ij = dp_i/dx_j = p_i (delta_ij - p_j). Symmetric; every entry tends to 0 as p
+ * tends to one-hot, which is how a saturated softmax kills the gradient without any NaN.
+ */
+template <typename Derived>
+internal::Matrix<typename Derived::Scalar> softmaxJacobian(const Eigen::MatrixBase<Derived>& p) {
+  internal::assertFloatingVector<Derived>();
+  const auto pc = p.reshaped();  // n-vector whatever p's orientation
+  internal::Matrix<typename Derived::Scalar> jac = -pc * pc.transpose();
+  jac.diagonal() += pc;
+  return jac;
+}
+
+/**
+ * \brief J^T g for J = softmaxJacobian(p), in O(n) without forming J: (J^T g)_j = p_j (g_j - p.g).
+ * The step of every attention backward pass that turns dL/dP into dL/dS. Same shape as p.
+ */
+template <typename DerivedP, typename DerivedG>
+typename DerivedP::PlainObject softmaxJacobianVjp(const Eigen::MatrixBase<DerivedP>& p,
+                                                  const Eigen::MatrixBase<DerivedG>& g) {
+  internal::assertFloatingVector<DerivedP>();
+  internal::assertFloatingVector<DerivedG>();
+  if (p.size() != g.size())
+    internal::throwInvalid("sdpa::softmaxJacobianVjp",
+                           "p has " + std::to_string(p.size()) + " entries but g has " + std::to_string(g.size()));
+  const auto pc = p.reshaped();
+  const auto gc = g.reshaped();
+  const typename DerivedP::Scalar pg = pc.dot(gc);
+  typename DerivedP::PlainObject out = p;
+  out.reshaped() = (pc.array() * (gc.array() - pg)).matrix();
+  return out;
+}
+
+/// \brief Entropy -sum p_i log p_i in nats of a distribution p (0 log 0 = 0). log n for uniform,
+/// 0 for one-hot (seed C18: a very low attention entropy means a scale mismatch).
+template <typename Derived>
+typename Derived::Scalar softmaxEntropy(const Eigen::MatrixBase<Derived>& p) {
+  internal::assertFloatingVector<Derived>();
+  using Scalar = typename Derived::Scalar;
+  Scalar h = 0;
+  for (Index i = 0; i < p.size(); ++i) {
+    const Scalar pi = p.coeff(i);
+    if (pi > 0) h -= pi * std::log(pi);
+  }
+  return h;
+}
+
+/**
+ * \brief Frobenius norm of diag(p) - p p^T in O(n), from the closed form
+ * ||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2 (seed C5): near 0 means a dead gradient.
+ */
+template <typename Derived>
+typename Derived::Scalar softmaxJacobianNorm(const Eigen::MatrixBase<Derived>& p) {
+  internal::assertFloatingVector<Derived>();
+  using Scalar = typename Derived::Scalar;
+  const Scalar s2 = p.squaredNorm();
+  const Scalar s3 = p.array().cube().sum();
+  return std::sqrt(std::max(Scalar(0), s2 - 2 * s3 + s2 * s2));
+}
+
+}  // namespace sdpa
+
+#endif  // SDPA_SOFTMAX_HPP
