@@ -1,0 +1,5 @@
+#include <sdpa/sdpa.hpp>
+int main() {
+  sdpa::scale::Learnable<int> tau;
+  return tau.hasValue() ? 1 : 0;
+}

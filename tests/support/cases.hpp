@@ -1,0 +1,80 @@
+// Shapes, policies and masks that every kernel test sweeps, written out once.
+#pragma once
+
+#include <sdpa/sdpa.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "reference.hpp"
+
+namespace sdpa_test {
+
+struct Shape {
+  Index nQ, nK, dK, dV;
+};
+inline std::string toString(const Shape& s) {
+  return std::to_string(s.nQ) + "q x " + std::to_string(s.nK) + "k, d_k " + std::to_string(s.dK) + ", d_v " +
+         std::to_string(s.dV);
+}
+
+/// 1x1; n_q < n_k and d_k != d_v; n_q > n_k; sizes that are not powers of two; a square 64.
+inline std::vector<Shape> standardShapes() {
+  return {{1, 1, 1, 1}, {3, 5, 4, 2}, {7, 3, 5, 6}, {17, 33, 13, 9}, {64, 64, 64, 64}, {31, 100, 20, 7}};
+}
+
+/// Calls f(policy, tau, name) for every scale policy, with tau computed independently of the
+/// library in long double.
+template <typename T, typename F>
+void forEachPolicy(Index dK, F&& f) {
+  const long double invSqrt = dK > 0 ? 1.0L / std::sqrt((long double)dK) : 1.0L;
+  f(sdpa::scale::InvSqrtDk{}, invSqrt, "InvSqrtDk");
+  f(sdpa::scale::None{}, 1.0L, "None");
+  f(sdpa::scale::Constant{0.37}, (long double)(T)0.37, "Constant{0.37}");
+  f(sdpa::scale::Temperature{2.5}, 1.0L / 2.5L, "Temperature{2.5}");
+  f(sdpa::scale::Learnable<T>{}, invSqrt, "Learnable{}");
+  f(sdpa::scale::Learnable<T>{T(0.2)}, (long double)T(0.2), "Learnable{0.2}");
+}
+
+/**
+ * Runs the library forward pass and checks it against the long-double oracle with the
+ * FlashAttention rule (output and logSumExp); fully masked rows must give exactly 0 and -inf.
+ */
+template <typename T, typename Scale, typename Mask>
+void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale, const Mask& mask,
+                  long double tau, const VisibleFn& visible, const BiasFn& bias) {
+  const auto fwd = sdpa::attentionForward(q, k, v, scale, mask);
+  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias);
+  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias);
+  REQUIRE(fwd.output.rows() == q.rows());
+  REQUIRE(fwd.output.cols() == v.cols());
+  REQUIRE(fwd.logSumExp.size() == q.rows());
+  const Mat<double> goldOut = gold.output.template cast<double>();
+  const Vec<double> goldLse = gold.logSumExp.template cast<double>();
+
+  const double outScale = goldOut.size() ? goldOut.cwiseAbs().maxCoeff() : 0.0;
+  const double errOut = maxAbsDiff(fwd.output, goldOut);
+  const double naiveOut = maxAbsDiff(naive.output, goldOut);
+  INFO("output error " << errOut << ", naive error in the same precision " << naiveOut);
+  CHECK(errOut <= errorBound<T>(naiveOut, outScale));
+
+  double lseScale = 0;
+  for (Index i = 0; i < goldLse.size(); ++i)
+    if (std::isfinite(goldLse(i))) lseScale = std::max(lseScale, std::abs(goldLse(i)));
+  const double errLse = maxAbsDiff(fwd.logSumExp, goldLse);
+  const double naiveLse = maxAbsDiff(naive.logSumExp, goldLse);
+  INFO("logSumExp error " << errLse << ", naive error " << naiveLse);
+  CHECK(errLse <= errorBound<T>(naiveLse, lseScale));
+
+  for (Index i = 0; i < q.rows(); ++i) {
+    if (std::isinf(goldLse(i))) {  // fully masked row
+      CHECK(fwd.logSumExp(i) == -std::numeric_limits<T>::infinity());
+      CHECK((fwd.output.row(i).array() == T(0)).all());
+    }
+  }
+  CHECK(fwd.output.allFinite());
+}
+
+}  // namespace sdpa_test

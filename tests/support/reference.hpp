@@ -1,0 +1,106 @@
+// The oracle every kernel is checked against: attention written as plain loops, templated on the
+// accumulation type. Instantiated with long double it is the golden result; with float or double
+// it is "the naive kernel in the same precision" of the FlashAttention error rule. It shares no
+// code with the library: masks are given as plain predicates written out in each test.
+#pragma once
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <random>
+
+namespace sdpa_test {
+
+using Index = Eigen::Index;
+template <typename T>
+using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+template <typename T>
+using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+
+/// visible(i, j): may query i attend to key j. bias(i, j): additive term after the scale.
+using VisibleFn = std::function<bool(Index, Index)>;
+using BiasFn = std::function<long double(Index, Index)>;
+
+inline VisibleFn allVisible() {
+  return [](Index, Index) { return true; };
+}
+inline BiasFn noBias() {
+  return [](Index, Index) { return 0.0L; };
+}
+
+template <typename T>
+struct RefResult {
+  Mat<T> output;
+  Vec<T> logSumExp;
+};
+
+/// out_i = sum_j p_ij v_j, p_ij = exp(tau q_i.k_j + b_ij - lse_i) over visible j, all in T.
+/// Inputs are read as T; masked keys are never read (their values may be NaN).
+template <typename T, typename In>
+RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In>& v, long double tau,
+                                const VisibleFn& visible = allVisible(), const BiasFn& bias = noBias()) {
+  const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
+  RefResult<T> r{Mat<T>::Zero(nQ, dV), Vec<T>::Constant(nQ, -std::numeric_limits<T>::infinity())};
+  std::vector<T> s(static_cast<size_t>(nK));
+  for (Index i = 0; i < nQ; ++i) {
+    T m = -std::numeric_limits<T>::infinity();
+    for (Index j = 0; j < nK; ++j) {
+      if (!visible(i, j)) continue;
+      T dot = 0;
+      for (Index c = 0; c < dK; ++c) dot += T(q(i, c)) * T(k(j, c));
+      s[size_t(j)] = T(tau) * dot + T(bias(i, j));
+      if (s[size_t(j)] > m) m = s[size_t(j)];
+    }
+    if (m == -std::numeric_limits<T>::infinity()) continue;  // fully masked: output 0, lse -inf
+    T sum = 0;
+    for (Index j = 0; j < nK; ++j)
+      if (visible(i, j)) sum += std::exp(s[size_t(j)] - m);
+    for (Index j = 0; j < nK; ++j) {
+      if (!visible(i, j)) continue;
+      const T p = std::exp(s[size_t(j)] - m) / sum;
+      if (p == T(0)) continue;
+      for (Index c = 0; c < dV; ++c) r.output(i, c) += p * T(v(j, c));
+    }
+    r.logSumExp(i) = m + std::log(sum);
+  }
+  return r;
+}
+
+/// Seeded N(0, sd^2) matrix; the same seed gives the same matrix on every run.
+template <typename T>
+Mat<T> randn(Index rows, Index cols, std::uint64_t seed, double sd = 1.0) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> dist(0.0, sd);
+  Mat<T> m(rows, cols);
+  for (Index c = 0; c < cols; ++c)
+    for (Index r = 0; r < rows; ++r) m(r, c) = T(dist(gen));
+  return m;
+}
+
+/// max |a - b| over entries, treating equal infinities as 0 and any NaN as infinite error.
+template <typename A, typename B>
+double maxAbsDiff(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b) {
+  double e = 0;
+  for (Index c = 0; c < a.cols(); ++c)
+    for (Index r = 0; r < a.rows(); ++r) {
+      const double x = double(a(r, c)), y = double(b(r, c));
+      if (std::isnan(x) || std::isnan(y)) return std::numeric_limits<double>::infinity();
+      if (x == y) continue;
+      e = std::max(e, std::abs(x - y));
+    }
+  return e;
+}
+
+/**
+ * The FlashAttention rule: the kernel's error against the long-double oracle is at most twice
+ * the error of the plain loop in the same precision, plus a floor of a few ulps of the output
+ * scale for the cases where the plain loop happens to be exact.
+ */
+template <typename T>
+double errorBound(double naiveError, double outputScale) {
+  return 2.0 * naiveError + 8.0 * double(std::numeric_limits<T>::epsilon()) * std::max(1.0, outputScale);
+}
+
+}  // namespace sdpa_test

@@ -1,0 +1,233 @@
+// The forward pass against the long-double oracle: every scale policy and mask, awkward and empty
+// shapes, fully masked rows, and every way of handing Eigen data to the API.
+#include <sdpa/sdpa.hpp>
+
+#include <limits>
+
+#include "support/cases.hpp"
+
+using namespace sdpa_test;
+using sdpa::mask::Align;
+
+namespace {
+
+/// A keep-mask with about 30% hidden entries and query row 0 fully hidden (when n_q > 1).
+Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic> randomKeep(Index nQ, Index nK, std::uint64_t seed) {
+  const Mat<double> u = randn<double>(nQ, nK, seed);
+  Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic> keep = (u.array() > -0.5).matrix();
+  if (nQ > 1) keep.row(0).setConstant(false);
+  return keep;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("forward matches the fp64 reference for every policy and mask  [seed C1]", "[forward]", float,
+                   double) {
+  using T = TestType;
+  std::uint64_t seed = 100;
+  for (const Shape& sh : standardShapes()) {
+    INFO("shape " << toString(sh));
+    const Mat<T> q = randn<T>(sh.nQ, sh.dK, ++seed), k = randn<T>(sh.nK, sh.dK, ++seed),
+                 v = randn<T>(sh.nK, sh.dV, ++seed);
+    const auto keep = randomKeep(sh.nQ, sh.nK, ++seed);
+    Mat<T> bias = randn<T>(sh.nQ, sh.nK, ++seed);
+    bias(0, 0) = -std::numeric_limits<T>::infinity();
+    if (sh.nQ > 2) bias.row(2).setConstant(-std::numeric_limits<T>::infinity());
+    const Index nQ = sh.nQ, nK = sh.nK;
+
+    forEachPolicy<T>(sh.dK, [&](const auto& scale, long double tau, const char* name) {
+      INFO("policy " << name);
+      {
+        INFO("mask None");
+        checkForward<T>(q, k, v, scale, sdpa::mask::None{}, tau, allVisible(), noBias());
+      }
+      {
+        INFO("mask Causal UpperLeft: tril(ones(L, S), 0)");
+        checkForward<T>(
+            q, k, v, scale, sdpa::mask::Causal{Align::UpperLeft}, tau, [](Index i, Index j) { return j <= i; },
+            noBias());
+      }
+      {
+        INFO("mask Causal LowerRight: tril(ones(L, S), S - L)");
+        checkForward<T>(
+            q, k, v, scale, sdpa::mask::Causal{Align::LowerRight}, tau,
+            [=](Index i, Index j) { return j <= i + nK - nQ; }, noBias());
+      }
+      {
+        INFO("mask Keep");
+        checkForward<T>(
+            q, k, v, scale, sdpa::mask::Keep{keep}, tau, [&](Index i, Index j) { return bool(keep(i, j)); }, noBias());
+      }
+      {
+        INFO("mask Bias");
+        checkForward<T>(
+            q, k, v, scale, sdpa::mask::Bias{bias}, tau,
+            [&](Index i, Index j) { return bias(i, j) != -std::numeric_limits<T>::infinity(); },
+            [&](Index i, Index j) {
+              return bias(i, j) == -std::numeric_limits<T>::infinity() ? 0.0L : (long double)bias(i, j);
+            });
+      }
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("empty inputs give empty or defined results", "[forward][edge]", float, double) {
+  using T = TestType;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  SECTION("no queries: 0 x d_v output") {
+    const auto f = sdpa::attentionForward(Mat<T>(0, 4), randn<T>(3, 4, 1), randn<T>(3, 2, 2));
+    CHECK(f.output.rows() == 0);
+    CHECK(f.output.cols() == 2);
+    CHECK(f.logSumExp.size() == 0);
+  }
+  SECTION("no keys: every row fully masked, output 0, logSumExp -inf") {
+    const auto f = sdpa::attentionForward(randn<T>(3, 4, 1), Mat<T>(0, 4), Mat<T>(0, 2));
+    CHECK(f.output == Mat<T>::Zero(3, 2));
+    CHECK((f.logSumExp.array() == -inf).all());
+  }
+  SECTION("d_k = 0: every logit is 0, attention is uniform, output is the mean of v") {
+    const Mat<T> v = randn<T>(5, 3, 3);
+    const auto f = sdpa::attentionForward(Mat<T>(2, 0), Mat<T>(5, 0), v);
+    const Eigen::Matrix<T, 1, Eigen::Dynamic> mean = v.colwise().mean();
+    for (Index i = 0; i < 2; ++i) CHECK(maxAbsDiff(f.output.row(i), mean) <= 4 * std::numeric_limits<T>::epsilon());
+    CHECK(f.logSumExp.isApprox(Vec<T>::Constant(2, std::log(T(5)))));
+  }
+  SECTION("d_v = 0: n_q x 0 output, logSumExp still defined") {
+    const auto f = sdpa::attentionForward(randn<T>(2, 3, 1), randn<T>(4, 3, 2), Mat<T>(4, 0));
+    CHECK(f.output.rows() == 2);
+    CHECK(f.output.cols() == 0);
+    CHECK(f.logSumExp.allFinite());
+  }
+}
+
+TEMPLATE_TEST_CASE("fully masked rows give output 0 and logSumExp -inf, never NaN", "[forward][mask]", float, double) {
+  using T = TestType;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  const Mat<T> q = randn<T>(6, 8, 1), k = randn<T>(4, 8, 2), v = randn<T>(4, 3, 3);
+  SECTION("LowerRight causal with n_q > n_k hides every key from the first n_q - n_k queries") {
+    const auto f = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, sdpa::mask::Causal{Align::LowerRight});
+    for (Index i = 0; i < 2; ++i) {
+      CHECK(f.logSumExp(i) == -inf);
+      CHECK(f.output.row(i).isZero(0));
+    }
+    for (Index i = 2; i < 6; ++i) CHECK(std::isfinite(f.logSumExp(i)));
+    // The last query sees every key: its row equals unmasked attention.
+    const auto all = sdpa::attention(q.bottomRows(1), k, v);
+    CHECK(maxAbsDiff(f.output.bottomRows(1), all) <= 4 * std::numeric_limits<T>::epsilon());
+  }
+  SECTION("an all-false Keep row and an all -inf Bias row") {
+    Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic> keep =
+        Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic>::Constant(6, 4, true);
+    keep.row(3).setConstant(false);
+    const auto f1 = sdpa::attentionForward(q, k, v, sdpa::scale::None{}, sdpa::mask::Keep{keep});
+    CHECK(f1.logSumExp(3) == -inf);
+    CHECK(f1.output.row(3).isZero(0));
+    CHECK(f1.output.allFinite());
+    Mat<T> bias = Mat<T>::Zero(6, 4);
+    bias.row(5).setConstant(-inf);
+    const auto f2 = sdpa::attentionForward(q, k, v, sdpa::scale::None{}, sdpa::mask::Bias{bias});
+    CHECK(f2.logSumExp(5) == -inf);
+    CHECK(f2.output.row(5).isZero(0));
+    CHECK(f2.output.allFinite());
+  }
+}
+
+TEMPLATE_TEST_CASE("values at hidden positions never reach the output, even NaN and inf", "[forward][mask]", float,
+                   double) {
+  using T = TestType;
+  constexpr T nan = std::numeric_limits<T>::quiet_NaN(), inf = std::numeric_limits<T>::infinity();
+  const Mat<T> q = randn<T>(5, 6, 1), k = randn<T>(5, 6, 2), v = randn<T>(5, 4, 3);
+  const sdpa::mask::Causal causal{Align::UpperLeft};
+  const auto clean = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
+  // Key 4 is visible only to query 4; poison it and drop query 4 from the comparison.
+  Mat<T> kBad = k, vBad = v;
+  kBad(4, 0) = nan;
+  vBad(4, 1) = inf;
+  vBad(4, 2) = nan;
+  const auto dirty = sdpa::attentionForward(q, kBad, vBad, sdpa::scale::InvSqrtDk{}, causal);
+  // Equal up to summation order: a non-finite v takes the path that skips zero weights.
+  CHECK(maxAbsDiff(dirty.output.topRows(4), clean.output.topRows(4)) <= 4 * std::numeric_limits<T>::epsilon());
+  CHECK(dirty.logSumExp.head(4) == clean.logSumExp.head(4));
+  // Query 4 sees the poisoned key: NaN propagates to that row only (defined behaviour).
+  CHECK(dirty.output.row(4).hasNaN());
+
+  // A NaN bias at a visible position poisons exactly its row; NaN at a position the same
+  // bias hides cannot exist (-inf is how Bias hides), so composition with Keep covers that case.
+  Mat<T> bias = randn<T>(5, 5, 4);
+  bias(1, 3) = nan;
+  bias(2, 0) = -inf;
+  const auto withBias = sdpa::attentionForward(q, k, v, sdpa::scale::None{}, sdpa::mask::Bias{bias});
+  CHECK(withBias.output.row(1).hasNaN());
+  CHECK(std::isnan(withBias.logSumExp(1)));
+  CHECK(withBias.output.topRows(1).allFinite());
+  CHECK(withBias.output.bottomRows(3).allFinite());
+}
+
+TEST_CASE("blocks, maps, row-major, fixed-size and expression inputs give identical results", "[forward][api]") {
+  const Mat<float> big = randn<float>(40, 48, 7);
+  const Mat<float> q = big.block(0, 0, 12, 16), k = big.block(12, 16, 20, 16), v = big.block(5, 32, 20, 8);
+  const auto ref = sdpa::attentionForward(q, k, v);
+
+  // Blocks of a larger matrix (outer stride != rows).
+  const auto fromBlocks =
+      sdpa::attentionForward(big.block(0, 0, 12, 16), big.block(12, 16, 20, 16), big.block(5, 32, 20, 8));
+  CHECK(fromBlocks.output == ref.output);
+  CHECK(fromBlocks.logSumExp == ref.logSumExp);
+
+  // q.middleCols(...) as for a head of a packed multi-head input.
+  Mat<float> packed(12, 48);
+  packed.setZero();
+  packed.middleCols(16, 16) = q;
+  CHECK(sdpa::attention(packed.middleCols(16, 16), k, v) == ref.output);
+
+  // Row-major copies.
+  const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> qr = q, kr = k, vr = v;
+  CHECK(sdpa::attention(qr, kr, vr) == ref.output);
+
+  // Maps over raw buffers.
+  std::vector<float> qbuf(q.data(), q.data() + q.size());
+  const Eigen::Map<const Mat<float>> qm(qbuf.data(), 12, 16);
+  CHECK(sdpa::attention(qm, k, v) == ref.output);
+
+  // Expressions are evaluated once.
+  CHECK(sdpa::attention(q * 1.0f, k.array().matrix(), v + Mat<float>::Zero(20, 8)) == ref.output);
+
+  // Fixed-size matrices.
+  const Eigen::Matrix<double, 3, 4> qf = randn<double>(3, 4, 1);
+  const Eigen::Matrix<double, 5, 4> kf = randn<double>(5, 4, 2);
+  const Eigen::Matrix<double, 5, 2> vf = randn<double>(5, 2, 3);
+  CHECK(sdpa::attention(qf, kf, vf) == sdpa::attention(Mat<double>(qf), Mat<double>(kf), Mat<double>(vf)));
+}
+
+TEST_CASE("the named entry points are the policies they name  [seed C1]", "[forward][api]") {
+  const Mat<double> q = randn<double>(4, 64, 1), k = randn<double>(6, 64, 2), v = randn<double>(6, 3, 3);
+  CHECK(sdpa::scaledDotProductAttention(q, k, v) == sdpa::attention(q, k, v, sdpa::scale::InvSqrtDk{}));
+  CHECK(sdpa::scaledDotProductAttention(q, k, v) == sdpa::attention(q, k, v));
+  CHECK(sdpa::dotProductAttention(q, k, v) == sdpa::attention(q, k, v, sdpa::scale::None{}));
+  const sdpa::mask::Causal causal{Align::UpperLeft};
+  CHECK(sdpa::dotProductAttention(q, k, v, causal) == sdpa::attention(q, k, v, sdpa::scale::None{}, causal));
+  // Temperature{sqrt(d_k)} is the InvSqrtDk scale (seed C10).
+  CHECK(maxAbsDiff(sdpa::attention(q, k, v, sdpa::scale::Temperature{8.0}), sdpa::scaledDotProductAttention(q, k, v)) <=
+        1e-15);
+}
+
+TEMPLATE_TEST_CASE("attentionLogits and attentionWeights expose S and P", "[forward][api]", float, double) {
+  using T = TestType;
+  const Mat<T> q = randn<T>(5, 7, 1), k = randn<T>(6, 7, 2);
+  const sdpa::mask::Causal causal{Align::LowerRight};
+  const Mat<T> s = sdpa::attentionLogits(q, k, sdpa::scale::Constant{0.5}, causal);
+  const Mat<T> p = sdpa::attentionWeights(q, k, sdpa::scale::Constant{0.5}, causal);
+  const Mat<T> raw = q * k.transpose();
+  for (Index i = 0; i < 5; ++i) {
+    for (Index j = 0; j < 6; ++j) {
+      if (j <= i + 1) {
+        CHECK(std::abs(s(i, j) - T(0.5) * raw(i, j)) <= 4 * std::numeric_limits<T>::epsilon() * std::abs(raw(i, j)));
+        CHECK(p(i, j) > 0);
+      } else {
+        CHECK(s(i, j) == -std::numeric_limits<T>::infinity());
+        CHECK(p(i, j) == 0);
+      }
+    }
+    CHECK(std::abs(p.row(i).sum() - T(1)) <= 8 * std::numeric_limits<T>::epsilon());
+  }
+}
