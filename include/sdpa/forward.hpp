@@ -82,8 +82,9 @@ ForwardResult<typename DQ::Scalar> attentionForward(const Eigen::MatrixBase<DQ>&
   internal::assertPolicies<Scale, Mask>();
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionForward", q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
-  ForwardResult<Scalar> result;
-  internal::forward_naive_impl<Scalar>::run(q, k, v, scale, mask, result.output, result.logSumExp);
+  ForwardResult<Scalar> result{internal::Matrix<Scalar>(q.rows(), v.cols()), internal::Vector<Scalar>(q.rows())};
+  internal::RowMajorMatrix<Scalar> scratch;
+  internal::forward_naive_impl<Scalar>::run(q, k, v, scale, mask, 0, result.output, result.logSumExp, scratch);
   return result;
 }
 
@@ -125,7 +126,7 @@ internal::Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionLogits", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
-  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, s);
+  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, 0, s);
   return s;
 }
 
@@ -141,8 +142,8 @@ internal::Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<D
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionWeights", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
-  internal::Vector<Scalar> lse;
-  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, s);
+  internal::Vector<Scalar> lse(q.rows());
+  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, 0, s);
   internal::forward_naive_impl<Scalar>::softmaxRows(s, lse);
   return s;
 }

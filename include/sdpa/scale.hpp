@@ -21,6 +21,8 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "internal/macros.hpp"
 
@@ -162,7 +164,46 @@ class Learnable {
   bool m_hasValue = false;
 };
 
+/**
+ * \brief One scale policy per query head, for the multi-head entry points: a learnable
+ * temperature per head (`PerHead<Learnable<float>>(H)`) or per-head constants
+ * (`PerHead<Constant>::constants({...})`). Head h is scaled by `head(h).value(d_k)` with the
+ * head's own d_k (seed C16).
+ */
+template <typename Policy_>
+class PerHead {
+ public:
+  using Policy = Policy_;
+  SDPA_STATIC_ASSERT(Policy::IsScalePolicy, PerHead_HOLDS_SCALE_POLICIES__FOR_EXAMPLE_PerHead_OF_Learnable_float);
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsPerHead = true;
+  static constexpr bool IsIdentity = Policy::IsIdentity;
+  static constexpr bool IsLearnable = Policy::IsLearnable;
+
+  explicit PerHead(std::vector<Policy> heads) : m_heads(std::move(heads)) {}
+  /// H default-constructed policies (for Learnable: each starts at 1/sqrt(d_k)).
+  explicit PerHead(Index heads) : m_heads(static_cast<size_t>(heads)) {}
+  /// Per-head constants tau_h = c_h.
+  static PerHead constants(const std::vector<double>& values) {
+    std::vector<Policy> heads;
+    for (const double c : values) heads.emplace_back(c);
+    return PerHead(std::move(heads));
+  }
+
+  Index size() const { return Index(m_heads.size()); }
+  const Policy& head(Index h) const { return m_heads[size_t(h)]; }
+  Policy& head(Index h) { return m_heads[size_t(h)]; }
+
+ private:
+  std::vector<Policy> m_heads;
+};
+
 namespace internal {
+template <typename T, typename = void>
+struct IsPerHeadImpl : std::false_type {};
+template <typename T>
+struct IsPerHeadImpl<T, std::void_t<decltype(T::IsPerHead)>> : std::bool_constant<T::IsPerHead> {};
+
 template <typename T, typename = void>
 struct IsPolicyImpl : std::false_type {};
 template <typename T>
@@ -172,6 +213,10 @@ struct IsPolicyImpl<T, std::void_t<decltype(T::IsScalePolicy)>> : std::bool_cons
 /// True for the scale policies above (and user policies that follow the same interface).
 template <typename T>
 inline constexpr bool IsPolicy = internal::IsPolicyImpl<std::decay_t<T>>::value;
+
+/// True for PerHead<...>: one policy per query head.
+template <typename T>
+inline constexpr bool IsPerHead = internal::IsPerHeadImpl<std::decay_t<T>>::value;
 
 }  // namespace sdpa::scale
 

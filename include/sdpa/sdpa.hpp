@@ -7,6 +7,7 @@
 
 #include "forward.hpp"
 #include "mask.hpp"
+#include "multihead.hpp"
 #include "scale.hpp"
 #include "softmax.hpp"
 #include "version.hpp"

@@ -44,10 +44,10 @@ void forEachPolicy(Index dK, F&& f) {
  */
 template <typename T, typename Scale, typename Mask>
 void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale, const Mask& mask,
-                  long double tau, const VisibleFn& visible, const BiasFn& bias) {
+                  long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
   const auto fwd = sdpa::attentionForward(q, k, v, scale, mask);
-  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias);
-  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias);
+  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
+  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias, softcap);
   REQUIRE(fwd.output.rows() == q.rows());
   REQUIRE(fwd.output.cols() == v.cols());
   REQUIRE(fwd.logSumExp.size() == q.rows());

@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <vector>
 
 namespace sdpa_test {
 
@@ -36,11 +37,13 @@ struct RefResult {
   Vec<T> logSumExp;
 };
 
-/// out_i = sum_j p_ij v_j, p_ij = exp(tau q_i.k_j + b_ij - lse_i) over visible j, all in T.
+/// out_i = sum_j p_ij v_j, p_ij = exp(cap(tau q_i.k_j) + b_ij - lse_i) over visible j, all in
+/// T, where cap(s) = c tanh(s / c) when softcap c > 0 (Gemma 2) and s otherwise.
 /// Inputs are read as T; masked keys are never read (their values may be NaN).
 template <typename T, typename In>
 RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In>& v, long double tau,
-                                const VisibleFn& visible = allVisible(), const BiasFn& bias = noBias()) {
+                                const VisibleFn& visible = allVisible(), const BiasFn& bias = noBias(),
+                                long double softcap = 0) {
   const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
   RefResult<T> r{Mat<T>::Zero(nQ, dV), Vec<T>::Constant(nQ, -std::numeric_limits<T>::infinity())};
   std::vector<T> s(static_cast<size_t>(nK));
@@ -50,7 +53,9 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
       if (!visible(i, j)) continue;
       T dot = 0;
       for (Index c = 0; c < dK; ++c) dot += T(q(i, c)) * T(k(j, c));
-      s[size_t(j)] = T(tau) * dot + T(bias(i, j));
+      T logit = T(tau) * dot;
+      if (softcap > 0) logit = T(softcap) * std::tanh(logit / T(softcap));
+      s[size_t(j)] = logit + T(bias(i, j));
       if (s[size_t(j)] > m) m = s[size_t(j)];
     }
     if (m == -std::numeric_limits<T>::infinity()) continue;  // fully masked: output 0, lse -inf

@@ -1,0 +1,268 @@
+/**
+ * \file sdpa/multihead.hpp
+ * \brief Multi-head attention (MHA, GQA, MQA) over packed inputs, and batches of sequences of
+ * different lengths.
+ *
+ * Packed layout, heads as column blocks (as `nn.Linear` outputs them):
+ *   q: n_q x (H d_k), head h in columns [h d_k, (h + 1) d_k);
+ *   k: n_k x (H_kv d_k), v: n_k x (H_kv d_v), kv head g in the g-th column block;
+ *   output: n_q x (H d_v); logSumExp: n_q x H.
+ * Query head h reads kv head h / (H / H_kv): H_kv = H is MHA, H_kv dividing H is GQA, H_kv = 1
+ * is MQA. Each head is scaled with its own d_k, never d_model (seed C16).
+ */
+#ifndef SDPA_MULTIHEAD_HPP
+#define SDPA_MULTIHEAD_HPP
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "forward.hpp"
+#include "internal/checks.hpp"
+#include "internal/forward_naive.hpp"
+#include "mask.hpp"
+#include "scale.hpp"
+
+namespace sdpa {
+
+/// \brief The head layout: H query heads sharing H_kv key/value heads. `Heads{8}` is MHA,
+/// `Heads{8, 2}` GQA, `Heads{8, 1}` MQA.
+struct Heads {
+  Index query;
+  Index keyValue;
+
+  explicit Heads(Index h) : query(h), keyValue(h) {}
+  Heads(Index h, Index hKv) : query(h), keyValue(hKv) {}
+  /// Query heads per kv head.
+  Index groupSize() const { return query / keyValue; }
+};
+
+/// \brief Multi-head forward result: output n_q x (H d_v), logSumExp n_q x H (column h = head h).
+template <typename Scalar_>
+struct MultiHeadForwardResult {
+  using Scalar = Scalar_;
+  internal::Matrix<Scalar> output;
+  internal::Matrix<Scalar> logSumExp;
+};
+
+/**
+ * \brief Sequences of different lengths in one packed matrix, FlashAttention's varlen layout:
+ * item b owns query rows [qOffsets[b], qOffsets[b+1]) and key/value rows [kOffsets[b],
+ * kOffsets[b+1]). Optional valid lengths mark padding inside an item: keys at or beyond
+ * keyLengths[b] are hidden, query rows at or beyond queryLengths[b] give output 0.
+ */
+struct BatchLayout {
+  std::vector<Index> qOffsets;      ///< B + 1 cumulative query row offsets, from 0
+  std::vector<Index> kOffsets;      ///< B + 1 cumulative key row offsets, from 0
+  std::vector<Index> queryLengths;  ///< empty, or B valid query lengths
+  std::vector<Index> keyLengths;    ///< empty, or B valid key lengths
+
+  /// FlashAttention's `cu_seqlens_q`, `cu_seqlens_k`.
+  static BatchLayout varlen(std::vector<Index> cuSeqlensQ, std::vector<Index> cuSeqlensK) {
+    return BatchLayout{std::move(cuSeqlensQ), std::move(cuSeqlensK), {}, {}};
+  }
+  /// B items padded to n_q query and n_k key rows each, with their valid lengths (JAX
+  /// `query_seq_lengths`, `key_value_seq_lengths`); an empty list means no padding there.
+  static BatchLayout padded(Index batch, Index nQ, Index nK, std::vector<Index> queryLengths,
+                            std::vector<Index> keyLengths) {
+    BatchLayout l;
+    for (Index b = 0; b <= batch; ++b) {
+      l.qOffsets.push_back(b * nQ);
+      l.kOffsets.push_back(b * nK);
+    }
+    l.queryLengths = std::move(queryLengths);
+    l.keyLengths = std::move(keyLengths);
+    return l;
+  }
+  Index size() const { return qOffsets.empty() ? 0 : Index(qOffsets.size()) - 1; }
+};
+
+namespace internal {
+
+struct HeadDims {
+  Index dK, dV;
+};
+
+/// Checks the packed shapes against the head layout and returns each head's d_k and d_v.
+inline HeadDims checkHeads(const char* where, const Heads& heads, Index qRows, Index qCols, Index kRows, Index kCols,
+                           Index vRows, Index vCols) {
+  const auto n = [](Index x) { return std::to_string(x); };
+  if (heads.query < 1 || heads.keyValue < 1 || heads.query % heads.keyValue != 0)
+    throwInvalid(where, "Heads{" + n(heads.query) + ", " + n(heads.keyValue) +
+                            "}: need H >= 1 query heads and H_kv >= 1 kv heads with H_kv dividing H");
+  if (qCols % heads.query != 0)
+    throwInvalid(where, "q is " + shapeString(qRows, qCols) + ": its " + n(qCols) + " columns do not split into " +
+                            n(heads.query) + " heads");
+  const Index dK = qCols / heads.query;
+  if (kCols != heads.keyValue * dK)
+    throwInvalid(where, "q is " + shapeString(qRows, qCols) + " (" + n(heads.query) + " heads of d_k = " + n(dK) +
+                            ") so k must have " + n(heads.keyValue) + " x " + n(dK) + " = " + n(heads.keyValue * dK) +
+                            " columns, but k is " + shapeString(kRows, kCols));
+  if (vCols % heads.keyValue != 0)
+    throwInvalid(where, "v is " + shapeString(vRows, vCols) + ": its " + n(vCols) + " columns do not split into " +
+                            n(heads.keyValue) + " kv heads");
+  if (kRows != vRows)
+    throwInvalid(where, "k is " + shapeString(kRows, kCols) + " and v is " + shapeString(vRows, vCols) +
+                            ": k and v must have the same number of rows (n_k)");
+  return {dK, vCols / heads.keyValue};
+}
+
+/// The scale policy of query head h: its own entry of a PerHead, or the shared policy.
+template <typename Scale>
+const auto& headScale(const Scale& scale, Index h) {
+  if constexpr (scale::IsPerHead<Scale>)
+    return scale.head(h);
+  else
+    return scale;
+}
+
+template <typename Scale>
+void checkScaleHeads(const char* where, const Scale& scale, Index heads) {
+  if constexpr (scale::IsPerHead<Scale>) {
+    if (scale.size() != heads)
+      throwInvalid(where, "the PerHead scale has " + std::to_string(scale.size()) + " policies for " +
+                              std::to_string(heads) + " heads");
+  }
+}
+
+/**
+ * Runs every (item, head) pair of a packed batch: the unit of parallel work. Item b's rows are
+ * the ranges of `layout` (one item spanning everything for a plain multi-head call).
+ */
+template <typename Scalar, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+void multiHeadForward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                      const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
+                      const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse) {
+  // Row-major or expression inputs are evaluated once, not once per head.
+  const ConstRef<Scalar> qr(q), kr(k), vr(v);
+  RowMajorMatrix<Scalar> scratch;
+  for (Index b = 0; b < layout.size(); ++b) {
+    const Index q0 = layout.qOffsets[size_t(b)], nQ = layout.qOffsets[size_t(b) + 1] - q0;
+    const Index k0 = layout.kOffsets[size_t(b)], nK = layout.kOffsets[size_t(b) + 1] - k0;
+    const Index qLen = layout.queryLengths.empty() ? nQ : layout.queryLengths[size_t(b)];
+    const Index kLen = layout.keyLengths.empty() ? nK : layout.keyLengths[size_t(b)];
+    const auto itemMask = mask::combine(mask, mask::QueryLength{qLen}, mask::KeyLength{kLen});
+    for (Index h = 0; h < heads.query; ++h) {
+      const Index g = h / heads.groupSize();
+      forward_naive_impl<Scalar>::run(qr.block(q0, h * dims.dK, nQ, dims.dK), kr.block(k0, g * dims.dK, nK, dims.dK),
+                                      vr.block(k0, g * dims.dV, nK, dims.dV), headScale(scale, h), itemMask, h,
+                                      out.block(q0, h * dims.dV, nQ, dims.dV), lse.col(h).segment(q0, nQ), scratch);
+    }
+  }
+}
+
+inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, Index kRows) {
+  const auto n = [](Index x) { return std::to_string(x); };
+  const size_t items = l.qOffsets.size();
+  if (items < 1 || l.kOffsets.size() != items)
+    throwInvalid(where, "the batch layout needs B + 1 query and key offsets, got " + n(Index(l.qOffsets.size())) +
+                            " and " + n(Index(l.kOffsets.size())));
+  if (l.qOffsets.front() != 0 || l.kOffsets.front() != 0) throwInvalid(where, "the batch offsets must start at 0");
+  for (size_t b = 0; b + 1 < items; ++b)
+    if (l.qOffsets[b + 1] < l.qOffsets[b] || l.kOffsets[b + 1] < l.kOffsets[b])
+      throwInvalid(where, "the batch offsets must not decrease (item " + n(Index(b)) + ")");
+  if (l.qOffsets.back() != qRows || l.kOffsets.back() != kRows)
+    throwInvalid(where, "the batch offsets end at " + n(l.qOffsets.back()) + " query and " + n(l.kOffsets.back()) +
+                            " key rows, but q has " + n(qRows) + " rows and k has " + n(kRows));
+  const size_t b = items - 1;
+  if (!l.queryLengths.empty() && l.queryLengths.size() != b)
+    throwInvalid(where,
+                 "queryLengths has " + n(Index(l.queryLengths.size())) + " entries for " + n(Index(b)) + " items");
+  if (!l.keyLengths.empty() && l.keyLengths.size() != b)
+    throwInvalid(where, "keyLengths has " + n(Index(l.keyLengths.size())) + " entries for " + n(Index(b)) + " items");
+  for (size_t i = 0; i < b; ++i) {
+    if (!l.queryLengths.empty() && (l.queryLengths[i] < 0 || l.queryLengths[i] > l.qOffsets[i + 1] - l.qOffsets[i]))
+      throwInvalid(where, "queryLengths[" + n(Index(i)) + "] = " + n(l.queryLengths[i]) + " is outside [0, " +
+                              n(l.qOffsets[i + 1] - l.qOffsets[i]) + "]");
+    if (!l.keyLengths.empty() && (l.keyLengths[i] < 0 || l.keyLengths[i] > l.kOffsets[i + 1] - l.kOffsets[i]))
+      throwInvalid(where, "keyLengths[" + n(Index(i)) + "] = " + n(l.keyLengths[i]) + " is outside [0, " +
+                              n(l.kOffsets[i + 1] - l.kOffsets[i]) + "]");
+  }
+}
+
+}  // namespace internal
+
+/**
+ * \brief Multi-head forward over packed inputs (see the file comment for the layout).
+ *
+ * \param heads `Heads{H}` or `Heads{H, H_kv}`
+ * \param scale a shared policy (each head still uses its own d_k) or a `scale::PerHead<...>`
+ * \param mask  a mask of sdpa::mask; Keep and Bias may be n_q x n_k (all heads) or
+ *              (H n_q) x n_k (one per head); Alibi needs H slopes.
+ */
+template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
+MultiHeadForwardResult<typename DQ::Scalar> multiHeadAttentionForward(const Eigen::MatrixBase<DQ>& q,
+                                                                      const Eigen::MatrixBase<DK>& k,
+                                                                      const Eigen::MatrixBase<DV>& v,
+                                                                      const Heads& heads, const Scale& scale = Scale(),
+                                                                      const Mask& mask = Mask()) {
+  internal::assertScalars<DQ, DK>();
+  internal::assertScalars<DQ, DV>();
+  SDPA_STATIC_ASSERT(
+      scale::IsPolicy<Scale>,
+      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
+  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
+                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  using Scalar = typename DQ::Scalar;
+  constexpr const char* where = "sdpa::multiHeadAttention";
+  const auto dims = internal::checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
+  internal::checkScaleHeads(where, scale, heads.query);
+  mask.check(where, q.rows(), k.rows(), heads.query);
+  MultiHeadForwardResult<Scalar> r{internal::Matrix<Scalar>(q.rows(), heads.query * dims.dV),
+                                   internal::Matrix<Scalar>(q.rows(), heads.query)};
+  internal::multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask,
+                                     BatchLayout::varlen({0, q.rows()}, {0, k.rows()}), r.output, r.logSumExp);
+  return r;
+}
+
+/// \brief Multi-head attention, the output only: n_q x (H d_v).
+template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
+internal::Matrix<typename DQ::Scalar> multiHeadAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                         const Eigen::MatrixBase<DV>& v, const Heads& heads,
+                                                         const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return multiHeadAttentionForward(q, k, v, heads, scale, mask).output;
+}
+
+/**
+ * \brief A batch of independent sequences in one packed matrix (`BatchLayout`), each with the
+ * multi-head layout above: q is (sum n_q) x (H d_k), k and v (sum n_k) x (H_kv d_*). The mask
+ * applies to each item in its own coordinates (a causal mask aligns per item); a Keep or Bias
+ * matrix must fit every item. Output (sum n_q) x (H d_v), logSumExp (sum n_q) x H.
+ */
+template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
+MultiHeadForwardResult<typename DQ::Scalar> batchedAttentionForward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  internal::assertScalars<DQ, DK>();
+  internal::assertScalars<DQ, DV>();
+  SDPA_STATIC_ASSERT(
+      scale::IsPolicy<Scale>,
+      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
+  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
+                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  using Scalar = typename DQ::Scalar;
+  constexpr const char* where = "sdpa::batchedAttention";
+  const auto dims = internal::checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
+  internal::checkScaleHeads(where, scale, heads.query);
+  internal::checkLayout(where, layout, q.rows(), k.rows());
+  for (Index b = 0; b < layout.size(); ++b)
+    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
+               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
+  MultiHeadForwardResult<Scalar> r{internal::Matrix<Scalar>(q.rows(), heads.query * dims.dV),
+                                   internal::Matrix<Scalar>(q.rows(), heads.query)};
+  internal::multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, layout, r.output, r.logSumExp);
+  return r;
+}
+
+/// \brief Batched attention, the output only: (sum n_q) x (H d_v).
+template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
+internal::Matrix<typename DQ::Scalar> batchedAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                       const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
+                                                       const Heads& heads, const Scale& scale = Scale(),
+                                                       const Mask& mask = Mask()) {
+  return batchedAttentionForward(q, k, v, layout, heads, scale, mask).output;
+}
+
+}  // namespace sdpa
+
+#endif  // SDPA_MULTIHEAD_HPP

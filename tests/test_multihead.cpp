@@ -1,0 +1,155 @@
+// Multi-head (MHA, GQA, MQA) and batched attention against loops of single-head calls.
+#include <sdpa/sdpa.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "support/cases.hpp"
+
+using namespace sdpa_test;
+namespace mask = sdpa::mask;
+namespace scale = sdpa::scale;
+using Catch::Matchers::Contains;
+using mask::Align;
+
+namespace {
+
+/// Repeats each of the H_kv column blocks of width d group times: the MHA equivalent of GQA.
+template <typename T>
+Mat<T> repeatHeads(const Mat<T>& x, Index hKv, Index group) {
+  const Index d = x.cols() / hKv;
+  Mat<T> out(x.rows(), x.cols() * group);
+  for (Index g = 0; g < hKv; ++g)
+    for (Index r = 0; r < group; ++r) out.middleCols((g * group + r) * d, d) = x.middleCols(g * d, d);
+  return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("multi-head equals a loop of single-head calls, each head scaled by its own d_k  [seed C16]",
+                   "[multihead][seed]", float, double) {
+  using T = TestType;
+  const Index H = 4, dK = 16, dV = 8, L = 7, S = 11;
+  const Mat<T> q = randn<T>(L, H * dK, 1), k = randn<T>(S, H * dK, 2), v = randn<T>(S, H * dV, 3);
+  Mat<T> perHeadBias = randn<T>(H * L, S, 4);  // (H n_q) x n_k, head h in rows [h L, (h + 1) L)
+  const auto alibi = mask::Alibi::standard(H, Align::LowerRight);
+  const auto m = mask::combine(mask::Causal{Align::LowerRight}, alibi, mask::Bias{perHeadBias});
+  const auto mh = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H}, scale::InvSqrtDk{}, m);
+  REQUIRE(mh.output.rows() == L);
+  REQUIRE(mh.output.cols() == H * dV);
+  REQUIRE(mh.logSumExp.cols() == H);
+  for (Index h = 0; h < H; ++h) {
+    const Mat<T> bh = perHeadBias.middleRows(h * L, L);
+    const auto single = sdpa::attentionForward(
+        q.middleCols(h * dK, dK), k.middleCols(h * dK, dK), v.middleCols(h * dV, dV), scale::InvSqrtDk{},
+        mask::combine(mask::Causal{Align::LowerRight}, mask::Alibi{{alibi.slopes[size_t(h)]}, Align::LowerRight},
+                      mask::Bias{bh}));
+    INFO("head " << h);
+    CHECK(mh.output.middleCols(h * dV, dV) == single.output);
+    CHECK(mh.logSumExp.col(h) == single.logSumExp);
+  }
+  // Scaling by 1/sqrt(d_model) instead would be a different (wrong) result.
+  const Mat<T> wrong = sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}, scale::Constant{1.0 / std::sqrt(64.0)}, m);
+  CHECK(maxAbsDiff(wrong, mh.output) > 1e-3);
+}
+
+TEMPLATE_TEST_CASE("GQA and MQA equal MHA with the k, v heads repeated", "[multihead][gqa]", float, double) {
+  using T = TestType;
+  const Index H = 6, dK = 5, dV = 3, L = 9, S = 8;
+  for (const Index hKv : {Index(1), Index(2), Index(3), Index(6)}) {
+    INFO("H_kv = " << hKv);
+    const Mat<T> q = randn<T>(L, H * dK, 10 + hKv), k = randn<T>(S, hKv * dK, 20 + hKv),
+                 v = randn<T>(S, hKv * dV, 30 + hKv);
+    const auto m = mask::combine(mask::Causal{Align::UpperLeft}, mask::Softcap{5.0});
+    const auto gqa = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
+    const auto mha = sdpa::multiHeadAttentionForward(q, repeatHeads(k, hKv, H / hKv), repeatHeads(v, hKv, H / hKv),
+                                                     sdpa::Heads{H}, scale::InvSqrtDk{}, m);
+    CHECK(gqa.output == mha.output);
+    CHECK(gqa.logSumExp == mha.logSumExp);
+  }
+}
+
+TEMPLATE_TEST_CASE("per-head scales: constants and learnable temperatures", "[multihead][scale]", float, double) {
+  using T = TestType;
+  const Index H = 3, dK = 4, L = 5, S = 6;
+  const Mat<T> q = randn<T>(L, H * dK, 1), k = randn<T>(S, H * dK, 2), v = randn<T>(S, H * 2, 3);
+  const auto constants = scale::PerHead<scale::Constant>::constants({0.1, 1.0, 3.0});
+  const Mat<T> out = sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}, constants);
+  scale::PerHead<scale::Learnable<T>> learnable(H);
+  learnable.head(1).setValue(T(1.0));
+  const Mat<T> outL = sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}, learnable);
+  for (Index h = 0; h < H; ++h) {
+    const double c = h == 0 ? 0.1 : (h == 1 ? 1.0 : 3.0);
+    CHECK(out.middleCols(h * 2, 2) == sdpa::attention(q.middleCols(h * dK, dK), k.middleCols(h * dK, dK),
+                                                      v.middleCols(h * 2, 2), scale::Constant{c}));
+    // Learnable heads 0 and 2 start at 1/sqrt(d_k) = 0.5; head 1 was set to 1.
+    const double tau = h == 1 ? 1.0 : 0.5;
+    CHECK(outL.middleCols(h * 2, 2) == sdpa::attention(q.middleCols(h * dK, dK), k.middleCols(h * dK, dK),
+                                                       v.middleCols(h * 2, 2), scale::Constant{tau}));
+  }
+  CHECK_THROWS_WITH(
+      sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}, scale::PerHead<scale::Constant>::constants({1.0})),
+      Contains("the PerHead scale has 1 policies for 3 heads"));
+}
+
+TEMPLATE_TEST_CASE("batched varlen and padded layouts equal per-item calls", "[multihead][batch]", float, double) {
+  using T = TestType;
+  const Index H = 2, hKv = 1, dK = 6, dV = 4;
+  SECTION("varlen: items of different lengths, causal aligned per item") {
+    const std::vector<Index> cuQ = {0, 3, 3, 10}, cuK = {0, 5, 7, 13};  // item 1 has no queries
+    const Mat<T> q = randn<T>(10, H * dK, 1), k = randn<T>(13, hKv * dK, 2), v = randn<T>(13, hKv * dV, 3);
+    const auto m = mask::Causal{Align::LowerRight};
+    const auto batch = sdpa::batchedAttentionForward(q, k, v, sdpa::BatchLayout::varlen(cuQ, cuK), sdpa::Heads{H, hKv},
+                                                     scale::InvSqrtDk{}, m);
+    for (size_t b = 0; b < 3; ++b) {
+      const Index q0 = cuQ[b], nQ = cuQ[b + 1] - q0, k0 = cuK[b], nK = cuK[b + 1] - k0;
+      const auto item = sdpa::multiHeadAttentionForward(
+          q.middleRows(q0, nQ), k.middleRows(k0, nK), v.middleRows(k0, nK), sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
+      INFO("item " << b);
+      CHECK(batch.output.middleRows(q0, nQ) == item.output);
+      CHECK(batch.logSumExp.middleRows(q0, nQ) == item.logSumExp);
+    }
+  }
+  SECTION("padded: keys beyond the length are hidden, padded query rows give 0, padding never leaks") {
+    const Index B = 3, nQ = 4, nK = 6;
+    const std::vector<Index> qLen = {4, 2, 0}, kLen = {6, 3, 1};
+    Mat<T> q = randn<T>(B * nQ, H * dK, 4), k = randn<T>(B * nK, hKv * dK, 5), v = randn<T>(B * nK, hKv * dV, 6);
+    for (Index b = 0; b < B; ++b) {  // poison the padding
+      k.middleRows(b * nK + kLen[size_t(b)], nK - kLen[size_t(b)]).setConstant(std::numeric_limits<T>::quiet_NaN());
+      v.middleRows(b * nK + kLen[size_t(b)], nK - kLen[size_t(b)]).setConstant(std::numeric_limits<T>::infinity());
+      q.middleRows(b * nQ + qLen[size_t(b)], nQ - qLen[size_t(b)]).setConstant(std::numeric_limits<T>::quiet_NaN());
+    }
+    const auto batch =
+        sdpa::batchedAttentionForward(q, k, v, sdpa::BatchLayout::padded(B, nQ, nK, qLen, kLen), sdpa::Heads{H, hKv});
+    CHECK(batch.output.allFinite());
+    for (Index b = 0; b < B; ++b) {
+      const Index ql = qLen[size_t(b)], kl = kLen[size_t(b)];
+      INFO("item " << b);
+      const Mat<T> expected = sdpa::multiHeadAttention(q.middleRows(b * nQ, ql), k.middleRows(b * nK, kl),
+                                                       v.middleRows(b * nK, kl), sdpa::Heads{H, hKv});
+      CHECK(maxAbsDiff(batch.output.middleRows(b * nQ, ql), expected) <= 4 * std::numeric_limits<T>::epsilon());
+      CHECK(batch.output.middleRows(b * nQ + ql, nQ - ql).isZero(0));
+      CHECK((batch.logSumExp.middleRows(b * nQ + ql, nQ - ql).array() == -std::numeric_limits<T>::infinity()).all());
+    }
+  }
+}
+
+TEST_CASE("head layouts and batch layouts are validated with clear messages", "[multihead][errors]") {
+  const Mat<float> q = Mat<float>::Ones(3, 12), k = Mat<float>::Ones(5, 6), v = Mat<float>::Ones(5, 4);
+  CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{5}), Contains("do not split into 5 heads"));
+  CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{4, 3}), Contains("H_kv dividing H"));
+  CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{4}),
+                    Contains("4 heads of d_k = 3) so k must have 4 x 3 = 12 columns, but k is 5x6"));
+  CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, Mat<float>::Ones(5, 3), sdpa::Heads{4, 2}),
+                    Contains("do not split into 2 kv heads"));
+  const Mat<float> bias = Mat<float>::Zero(4, 5);
+  CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{4, 2}, scale::None{}, mask::Bias{bias}),
+                    Contains("per head it must be 12x5"));
+  CHECK_THROWS_WITH(sdpa::batchedAttention(q, k, v, sdpa::BatchLayout::varlen({0, 2}, {0, 5}), sdpa::Heads{4, 2}),
+                    Contains("end at 2 query and 5 key rows, but q has 3 rows"));
+  CHECK_THROWS_WITH(
+      sdpa::batchedAttention(q, k, v, sdpa::BatchLayout::varlen({0, 2, 1, 3}, {0, 1, 2, 5}), sdpa::Heads{4, 2}),
+      Contains("must not decrease"));
+  CHECK_THROWS_WITH(sdpa::batchedAttention(q, k, v, sdpa::BatchLayout::padded(1, 3, 5, {}, {6}), sdpa::Heads{4, 2}),
+                    Contains("keyLengths[0] = 6 is outside [0, 5]"));
+}
