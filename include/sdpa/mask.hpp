@@ -500,6 +500,47 @@ Combined<std::decay_t<Masks>...> combine(Masks&&... masks) {
   return Combined<std::decay_t<Masks>...>(std::forward<Masks>(masks)...);
 }
 
+namespace internal {
+template <typename T>
+struct IsBiasMatrix : std::false_type {};
+template <typename D>
+struct IsBiasMatrix<Bias<D>> : std::true_type {};
+template <typename T>
+struct IsCombined : std::false_type {};
+template <typename... M>
+struct IsCombined<Combined<M...>> : std::true_type {};
+
+/// rows x cols of the first Bias matrix in a mask (looking inside combine), or {-1, -1}. The
+/// backward pass reports the bias gradient in this shape.
+template <typename M>
+std::pair<Index, Index> biasMatrixShape(const M& m) {
+  if constexpr (IsBiasMatrix<M>::value) {
+    return {m.matrix().rows(), m.matrix().cols()};
+  } else if constexpr (IsCombined<M>::value) {
+    std::pair<Index, Index> shape{-1, -1};
+    std::apply([&](const auto&... part) { ((shape.first < 0 ? (void)(shape = biasMatrixShape(part)) : (void)0), ...); },
+               m.parts());
+    return shape;
+  } else {
+    return {-1, -1};
+  }
+}
+
+/// The cap of the first Softcap in a mask (looking inside combine), or 0 if it has none.
+template <typename M>
+double softcapOf(const M& m) {
+  if constexpr (std::is_same_v<M, Softcap>) {
+    return m.cap;
+  } else if constexpr (IsCombined<M>::value) {
+    double cap = 0;
+    std::apply([&](const auto&... part) { ((cap == 0 ? (void)(cap = softcapOf(part)) : (void)0), ...); }, m.parts());
+    return cap;
+  } else {
+    return 0;
+  }
+}
+}  // namespace internal
+
 }  // namespace sdpa::mask
 
 #endif  // SDPA_MASK_HPP

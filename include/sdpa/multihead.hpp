@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "dropout.hpp"
 #include "forward.hpp"
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
@@ -125,30 +126,43 @@ void checkScaleHeads(const char* where, const Scale& scale, Index heads) {
   }
 }
 
-/**
- * Runs every (item, head) pair of a packed batch: the unit of parallel work. Item b's rows are
- * the ranges of `layout` (one item spanning everything for a plain multi-head call).
- */
-template <typename Scalar, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-void multiHeadForward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                      const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
-                      const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse) {
-  // Row-major or expression inputs are evaluated once, not once per head.
-  const ConstRef<Scalar> qr(q), kr(k), vr(v);
-  RowMajorMatrix<Scalar> scratch;
+/// One (batch item, query head) pair: the unit of parallel work. Rows q0..q0+nQ of q and
+/// k0..k0+nK of k/v belong to the item; kvHead is the k/v column block the query head reads.
+struct ItemHead {
+  Index item, head, kvHead;
+  Index q0, nQ, k0, nK;
+  Index queryLength, keyLength;  ///< valid rows inside the item (padding beyond)
+};
+
+/// Calls f(ItemHead) for every (item, head) pair of a packed batch, items outer.
+template <typename F>
+void forEachItemHead(const BatchLayout& layout, const Heads& heads, F&& f) {
   for (Index b = 0; b < layout.size(); ++b) {
     const Index q0 = layout.qOffsets[size_t(b)], nQ = layout.qOffsets[size_t(b) + 1] - q0;
     const Index k0 = layout.kOffsets[size_t(b)], nK = layout.kOffsets[size_t(b) + 1] - k0;
     const Index qLen = layout.queryLengths.empty() ? nQ : layout.queryLengths[size_t(b)];
     const Index kLen = layout.keyLengths.empty() ? nK : layout.keyLengths[size_t(b)];
-    const auto itemMask = mask::combine(mask, mask::QueryLength{qLen}, mask::KeyLength{kLen});
-    for (Index h = 0; h < heads.query; ++h) {
-      const Index g = h / heads.groupSize();
-      forward_naive_impl<Scalar>::run(qr.block(q0, h * dims.dK, nQ, dims.dK), kr.block(k0, g * dims.dK, nK, dims.dK),
-                                      vr.block(k0, g * dims.dV, nK, dims.dV), headScale(scale, h), itemMask, h,
-                                      out.block(q0, h * dims.dV, nQ, dims.dV), lse.col(h).segment(q0, nQ), scratch);
-    }
+    for (Index h = 0; h < heads.query; ++h) f(ItemHead{b, h, h / heads.groupSize(), q0, nQ, k0, nK, qLen, kLen});
   }
+}
+
+/// The user's mask restricted to the valid rows and keys of a padded item.
+template <typename Mask>
+auto itemMask(const Mask& mask, const ItemHead& u) {
+  return mask::combine(mask, mask::QueryLength{u.queryLength}, mask::KeyLength{u.keyLength});
+}
+
+template <typename Scalar, typename Scale, typename Mask>
+void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
+                      const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
+                      const Dropout& dropout, const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse) {
+  RowMajorMatrix<Scalar> scratch;
+  forEachItemHead(layout, heads, [&](const ItemHead& u) {
+    forward_naive_impl<Scalar>::run(
+        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout, u.head,
+        u.q0, u.k0, out.block(u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ), scratch);
+  });
 }
 
 inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, Index kRows) {
@@ -182,6 +196,40 @@ inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, In
 
 }  // namespace internal
 
+namespace internal {
+
+template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, const Eigen::MatrixBase<DQ>& q,
+                                                           const Eigen::MatrixBase<DK>& k,
+                                                           const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
+                                                           const Heads& heads, const Scale& scale, const Mask& mask,
+                                                           const Dropout& dropout) {
+  assertScalars<DQ, DK>();
+  assertScalars<DQ, DV>();
+  SDPA_STATIC_ASSERT(
+      scale::IsPolicy<Scale>,
+      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
+  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
+                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  using Scalar = typename DQ::Scalar;
+  const HeadDims dims = checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
+  checkScaleHeads(where, scale, heads.query);
+  checkLayout(where, layout, q.rows(), k.rows());
+  for (Index b = 0; b < layout.size(); ++b)
+    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
+               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
+  dropout.check(where);
+  MultiHeadForwardResult<Scalar> r{Matrix<Scalar>(q.rows(), heads.query * dims.dV),
+                                   Matrix<Scalar>(q.rows(), heads.query)};
+  multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, dropout, layout, r.output, r.logSumExp);
+  return r;
+}
+
+/// The layout of a plain multi-head call: one item spanning every row.
+inline BatchLayout singleItem(Index qRows, Index kRows) { return BatchLayout::varlen({0, qRows}, {0, kRows}); }
+
+}  // namespace internal
+
 /**
  * \brief Multi-head forward over packed inputs (see the file comment for the layout).
  *
@@ -191,28 +239,11 @@ inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, In
  *              (H n_q) x n_k (one per head); Alibi needs H slopes.
  */
 template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-MultiHeadForwardResult<typename DQ::Scalar> multiHeadAttentionForward(const Eigen::MatrixBase<DQ>& q,
-                                                                      const Eigen::MatrixBase<DK>& k,
-                                                                      const Eigen::MatrixBase<DV>& v,
-                                                                      const Heads& heads, const Scale& scale = Scale(),
-                                                                      const Mask& mask = Mask()) {
-  internal::assertScalars<DQ, DK>();
-  internal::assertScalars<DQ, DV>();
-  SDPA_STATIC_ASSERT(
-      scale::IsPolicy<Scale>,
-      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
-  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
-                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
-  using Scalar = typename DQ::Scalar;
-  constexpr const char* where = "sdpa::multiHeadAttention";
-  const auto dims = internal::checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
-  internal::checkScaleHeads(where, scale, heads.query);
-  mask.check(where, q.rows(), k.rows(), heads.query);
-  MultiHeadForwardResult<Scalar> r{internal::Matrix<Scalar>(q.rows(), heads.query * dims.dV),
-                                   internal::Matrix<Scalar>(q.rows(), heads.query)};
-  internal::multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask,
-                                     BatchLayout::varlen({0, q.rows()}, {0, k.rows()}), r.output, r.logSumExp);
-  return r;
+MultiHeadForwardResult<typename DQ::Scalar> multiHeadAttentionForward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
+    const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  return internal::batchedForward("sdpa::multiHeadAttention", q, k, v, internal::singleItem(q.rows(), k.rows()), heads,
+                                  scale, mask, dropout);
 }
 
 /// \brief Multi-head attention, the output only: n_q x (H d_v).
@@ -232,26 +263,9 @@ internal::Matrix<typename DQ::Scalar> multiHeadAttention(const Eigen::MatrixBase
 template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 MultiHeadForwardResult<typename DQ::Scalar> batchedAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
-  internal::assertScalars<DQ, DK>();
-  internal::assertScalars<DQ, DV>();
-  SDPA_STATIC_ASSERT(
-      scale::IsPolicy<Scale>,
-      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
-  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
-                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
-  using Scalar = typename DQ::Scalar;
-  constexpr const char* where = "sdpa::batchedAttention";
-  const auto dims = internal::checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
-  internal::checkScaleHeads(where, scale, heads.query);
-  internal::checkLayout(where, layout, q.rows(), k.rows());
-  for (Index b = 0; b < layout.size(); ++b)
-    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
-               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
-  MultiHeadForwardResult<Scalar> r{internal::Matrix<Scalar>(q.rows(), heads.query * dims.dV),
-                                   internal::Matrix<Scalar>(q.rows(), heads.query)};
-  internal::multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, layout, r.output, r.logSumExp);
-  return r;
+    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
+    const Dropout& dropout = Dropout()) {
+  return internal::batchedForward("sdpa::batchedAttention", q, k, v, layout, heads, scale, mask, dropout);
 }
 
 /// \brief Batched attention, the output only: (sum n_q) x (H d_v).

@@ -42,7 +42,7 @@ struct InvSqrtDk {
   /// Holds a parameter and accumulates dL/dtau.
   static constexpr bool IsLearnable = false;
 
-  template <typename Scalar>
+  template <typename Scalar = double>
   Scalar value(Index headDim) const {
     return headDim > 0 ? Scalar(1) / std::sqrt(Scalar(headDim)) : Scalar(1);
   }
@@ -55,7 +55,7 @@ struct None {
   static constexpr bool IsIdentity = true;
   static constexpr bool IsLearnable = false;
 
-  template <typename Scalar>
+  template <typename Scalar = double>
   Scalar value(Index /*headDim*/) const {
     return Scalar(1);
   }
@@ -71,7 +71,7 @@ struct Constant {
     if (!std::isfinite(c))
       throw std::invalid_argument("sdpa::scale::Constant: the scale must be finite, got " + std::to_string(c));
   }
-  template <typename Scalar>
+  template <typename Scalar = double>
   Scalar value(Index /*headDim*/) const {
     return Scalar(m_value);
   }
@@ -95,7 +95,7 @@ struct Temperature {
       throw std::invalid_argument("sdpa::scale::Temperature: the temperature must be finite and > 0, got " +
                                   std::to_string(t));
   }
-  template <typename Scalar>
+  template <typename Scalar = double>
   Scalar value(Index /*headDim*/) const {
     return Scalar(1) / Scalar(m_temperature);
   }
@@ -133,7 +133,7 @@ class Learnable {
   /// Starts at 1/sqrt(headDim), stored now.
   static Learnable forHeadDim(Index headDim) { return Learnable(InvSqrtDk{}.value<Scalar>(headDim)); }
 
-  template <typename S>
+  template <typename S = Scalar>
   S value(Index headDim) const {
     return m_hasValue ? S(m_value) : InvSqrtDk{}.value<S>(headDim);
   }

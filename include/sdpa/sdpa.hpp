@@ -5,6 +5,8 @@
 #ifndef SDPA_SDPA_HPP
 #define SDPA_SDPA_HPP
 
+#include "backward.hpp"
+#include "dropout.hpp"
 #include "forward.hpp"
 #include "mask.hpp"
 #include "multihead.hpp"

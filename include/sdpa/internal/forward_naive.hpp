@@ -4,15 +4,45 @@
 #include <cmath>
 #include <limits>
 
+#include "../dropout.hpp"
 #include "../softmax.hpp"
 #include "macros.hpp"
 
 namespace sdpa::internal {
 
-/// Read-only view the naive kernel computes on: binds column-major matrices and blocks without a
+/// Read-only view the naive kernels compute on: binds column-major matrices and blocks without a
 /// copy; row-major inputs and expressions are evaluated once into a temporary.
 template <typename Scalar>
 using ConstRef = Eigen::Ref<const Matrix<Scalar>>;
+
+/**
+ * out += a b, where a zero entry of a never reads its row of b. Attention weights are exactly 0
+ * at hidden positions, and the value (or key, or query) row there must have no effect even if
+ * it holds NaN or inf, which a GEMM (0 * NaN = NaN) would not honour; so a non-finite b takes a
+ * path that reads only the rows of nonzero weights.
+ */
+template <typename DA, typename DB, typename DOut>
+void addProductSkippingZeros(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
+                             const Eigen::MatrixBase<DOut>& out_) {
+  auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
+  if (b.allFinite()) {
+    out.noalias() += a * b;
+    return;
+  }
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < a.cols(); ++j)
+      if (a(i, j) != 0) out.row(i) += a(i, j) * b.row(j);
+}
+
+/// Replaces P by P * M / (1 - p), M the dropout keep-mask of head `head`; (row0, col0) is the
+/// global position of P(0, 0), so that every batch item draws its own mask.
+template <typename Scalar>
+void applyDropout(RowMajorMatrix<Scalar>& p, const Dropout& dropout, Index head, Index row0, Index col0) {
+  const Scalar keepScale = Scalar(dropout.keepScale());
+  for (Index i = 0; i < p.rows(); ++i)
+    for (Index j = 0; j < p.cols(); ++j)
+      if (p(i, j) != 0) p(i, j) = dropout.keep(row0 + i, col0 + j, head) ? p(i, j) * keepScale : Scalar(0);
+}
 
 /**
  * The reference kernel: materialises the n_q x n_k logits. Memory O(n_q n_k); the tiled kernel
@@ -36,29 +66,17 @@ struct forward_naive_impl {
     for (Index i = 0; i < s.rows(); ++i) lse(i) = softmaxInPlace(s.row(i));
   }
 
-  /// out (n_q x d_v) = P v. A hidden key has weight exactly 0 and its value row must have no
-  /// effect even if it holds NaN or inf, which a GEMM (0 * NaN = NaN) would not honour; so a
-  /// non-finite v takes a path that reads only the value rows of nonzero weights.
-  static void weightedValues(const RowMajorMatrix<Scalar>& p, const ConstRef<Scalar>& v,
-                             Eigen::Ref<Matrix<Scalar>> out) {
-    if (v.allFinite()) {
-      out.noalias() = p * v;
-      return;
-    }
-    out.setZero();
-    for (Index i = 0; i < p.rows(); ++i)
-      for (Index j = 0; j < p.cols(); ++j)
-        if (p(i, j) != Scalar(0)) out.row(i) += p(i, j) * v.row(j);
-  }
-
-  /// One head: out (n_q x d_v) and lse (n_q), with s as n_q x n_k scratch.
+  /// One head: out (n_q x d_v) and lse (n_q), with s as n_q x n_k scratch. (row0, col0) place the
+  /// head in the packed batch for the dropout counters.
   template <typename Scale, typename Mask>
   static void run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, const Scale& scale,
-                  const Mask& mask, Index head, Eigen::Ref<Matrix<Scalar>> out, Eigen::Ref<Vector<Scalar>> lse,
-                  RowMajorMatrix<Scalar>& s) {
+                  const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
+                  Eigen::Ref<Matrix<Scalar>> out, Eigen::Ref<Vector<Scalar>> lse, RowMajorMatrix<Scalar>& s) {
     logits(q, k, scale, mask, head, s);
     softmaxRows(s, lse);
-    weightedValues(s, v, out);
+    if (dropout.enabled()) applyDropout(s, dropout, head, row0, col0);
+    out.setZero();
+    addProductSkippingZeros(s, v, out);  // out = P v
   }
 };
 

@@ -1,0 +1,203 @@
+/**
+ * \file sdpa/backward.hpp
+ * \brief The attention backward pass: gradients for q, k, v, the scale tau and the bias.
+ *
+ * Given the forward pass O = softmax(mask(softcap(tau q k^T))) v and dOut = dL/dO, returns
+ * dL/dq (n_q x d_k), dL/dk (n_k x d_k), dL/dv (n_k x d_v), dL/dtau and, when the mask holds a
+ * `Bias` matrix, dL/dbias shaped like that matrix. dL/dtau is reported for every scale policy:
+ * its sign says which way the temperature wants to move (seed C10, C17). A `Learnable` scale
+ * passed as a non-const lvalue also accumulates it (`accumulateGrad`), per head for a
+ * `PerHead<Learnable<...>>`; a const one is left alone.
+ */
+#ifndef SDPA_BACKWARD_HPP
+#define SDPA_BACKWARD_HPP
+
+#include <type_traits>
+
+#include "dropout.hpp"
+#include "forward.hpp"
+#include "internal/backward_naive.hpp"
+#include "mask.hpp"
+#include "multihead.hpp"
+#include "scale.hpp"
+
+namespace sdpa {
+
+/// \brief Gradients of one head.
+template <typename Scalar_>
+struct Gradients {
+  using Scalar = Scalar_;
+  internal::Matrix<Scalar> dq;     ///< n_q x d_k
+  internal::Matrix<Scalar> dk;     ///< n_k x d_k
+  internal::Matrix<Scalar> dv;     ///< n_k x d_v
+  Scalar dscale = 0;               ///< dL/dtau
+  internal::Matrix<Scalar> dbias;  ///< shaped like the mask's Bias matrix; empty without one
+};
+
+/// \brief Gradients of a multi-head or batched call, in the packed layout of its inputs.
+template <typename Scalar_>
+struct MultiHeadGradients {
+  using Scalar = Scalar_;
+  internal::Matrix<Scalar> dq;      ///< like q: n_q x (H d_k); GQA sums the query heads of a kv head into dk, dv
+  internal::Matrix<Scalar> dk;      ///< like k: n_k x (H_kv d_k)
+  internal::Matrix<Scalar> dv;      ///< like v: n_k x (H_kv d_v)
+  internal::Vector<Scalar> dscale;  ///< H: dL/dtau_h of each query head
+  /// Shaped like the mask's Bias matrix (a shared n_q x n_k bias gets the sum over heads and
+  /// batch items, a per-head one its blocks); empty without one.
+  internal::Matrix<Scalar> dbias;
+};
+
+namespace internal {
+
+template <typename Scalar>
+void checkBackwardInputs(const char* where, Index nQ, Index outCols, Index lseCols, Index oRows, Index oCols,
+                         Index lseRows, Index lseColsGot, Index dRows, Index dCols) {
+  if (oRows != nQ || oCols != outCols)
+    throwInvalid(where, "the forward output is " + shapeString(oRows, oCols) + " but must be " +
+                            shapeString(nQ, outCols) + ": pass the ForwardResult of the same inputs");
+  if (lseRows != nQ || lseColsGot != lseCols)
+    throwInvalid(where, "the forward logSumExp is " + shapeString(lseRows, lseColsGot) + " but must be " +
+                            shapeString(nQ, lseCols));
+  if (dRows != nQ || dCols != outCols)
+    throwInvalid(where, "dOut is " + shapeString(dRows, dCols) + " but the output is " + shapeString(nQ, outCols));
+}
+
+/// Adds the per-head dL/dtau to a Learnable parameter (shared: the sum; PerHead: each head).
+template <typename Scale, typename Scalar>
+void accumulateScaleGrad(Scale& scale, const Vector<Scalar>& dscale) {
+  if constexpr (scale::IsPerHead<Scale>) {
+    if constexpr (Scale::IsLearnable)
+      for (Index h = 0; h < dscale.size(); ++h) scale.head(h).accumulateGrad(typename Scale::Policy::Scalar(dscale(h)));
+  } else if constexpr (Scale::IsLearnable) {
+    scale.accumulateGrad(typename Scale::Scalar(dscale.sum()));
+  }
+}
+
+template <typename Scale>
+inline constexpr bool AccumulatesInto =
+    std::decay_t<Scale>::IsLearnable && !std::is_const_v<std::remove_reference_t<Scale>>;
+
+template <typename Scalar, typename Scale, typename Mask>
+MultiHeadGradients<Scalar> batchedBackward(const char* where, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
+                                           const ConstRef<Scalar>& v, const ConstRef<Scalar>& o,
+                                           const ConstRef<Scalar>& lse, const ConstRef<Scalar>& dO,
+                                           const BatchLayout& layout, const Heads& heads, const Scale& scale,
+                                           const Mask& mask, const Dropout& dropout) {
+  const HeadDims dims = checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
+  checkScaleHeads(where, scale, heads.query);
+  checkLayout(where, layout, q.rows(), k.rows());
+  for (Index b = 0; b < layout.size(); ++b)
+    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
+               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
+  dropout.check(where);
+  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
+                              lse.cols(), dO.rows(), dO.cols());
+
+  MultiHeadGradients<Scalar> g{Matrix<Scalar>::Zero(q.rows(), q.cols()),
+                               Matrix<Scalar>::Zero(k.rows(), k.cols()),
+                               Matrix<Scalar>::Zero(v.rows(), v.cols()),
+                               Vector<Scalar>::Zero(heads.query),
+                               {}};
+  const auto [biasRows, biasCols] = mask::internal::biasMatrixShape(mask);
+  if (biasRows >= 0) g.dbias.setZero(biasRows, biasCols);
+  typename backward_naive_impl<Scalar>::Scratch scratch;
+  forEachItemHead(layout, heads, [&](const ItemHead& u) {
+    const Index dbiasRow0 = biasRows == u.nQ ? 0 : u.head * u.nQ;
+    g.dscale(u.head) += backward_naive_impl<Scalar>::run(
+        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), o.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+        lse.col(u.head).segment(u.q0, u.nQ), dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV), headScale(scale, u.head),
+        itemMask(mask, u), dropout, u.head, u.q0, u.k0, g.dq.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+        g.dk.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK), g.dv.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
+        biasRows >= 0 ? &g.dbias : nullptr, dbiasRow0, scratch);
+  });
+  return g;
+}
+
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>
+void assertBackwardTypes() {
+  assertScalars<DQ, DK>();
+  assertScalars<DQ, DV>();
+  assertScalars<DQ, DO>();
+  SDPA_STATIC_ASSERT(
+      scale::IsPolicy<Scale>,
+      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
+  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
+                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+}
+
+}  // namespace internal
+
+/**
+ * \brief Backward pass of one head.
+ *
+ * \param fwd   the ForwardResult of attentionForward(q, k, v, scale, mask, dropout)
+ * \param dOut  dL/dO, n_q x d_v
+ * \param scale the same policy as the forward pass; a non-const Learnable accumulates dL/dtau
+ * \param mask, dropout the same as the forward pass
+ * \throws std::invalid_argument naming the shapes on any mismatch.
+ */
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
+Gradients<typename DQ::Scalar> attentionBackward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                 const Eigen::MatrixBase<DV>& v,
+                                                 const ForwardResult<typename DQ::Scalar>& fwd,
+                                                 const Eigen::MatrixBase<DO>& dOut, Scale&& scale,
+                                                 const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  using S = std::decay_t<Scale>;
+  internal::assertBackwardTypes<DQ, DK, DV, DO, S, Mask>();
+  SDPA_STATIC_ASSERT(!scale::IsPerHead<S>,
+                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackward);
+  using Scalar = typename DQ::Scalar;
+  constexpr const char* where = "sdpa::attentionBackward";
+  internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+  auto g = internal::batchedBackward<Scalar>(where, q, k, v, fwd.output, fwd.logSumExp, dOut,
+                                             internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
+  return Gradients<Scalar>{std::move(g.dq), std::move(g.dk), std::move(g.dv), g.dscale(0), std::move(g.dbias)};
+}
+
+/// \brief Backward pass with the default policies of the forward pass (InvSqrtDk, no mask).
+template <typename DQ, typename DK, typename DV, typename DO>
+Gradients<typename DQ::Scalar> attentionBackward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                 const Eigen::MatrixBase<DV>& v,
+                                                 const ForwardResult<typename DQ::Scalar>& fwd,
+                                                 const Eigen::MatrixBase<DO>& dOut) {
+  return attentionBackward(q, k, v, fwd, dOut, scale::InvSqrtDk{});
+}
+
+/**
+ * \brief Backward pass of multiHeadAttentionForward: gradients in the packed layout, GQA/MQA
+ * kv-head gradients summed over the query heads that share them, dscale per query head.
+ */
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
+MultiHeadGradients<typename DQ::Scalar> multiHeadAttentionBackward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut, const Heads& heads,
+    Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  internal::assertBackwardTypes<DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  using Scalar = typename DQ::Scalar;
+  auto g =
+      internal::batchedBackward<Scalar>("sdpa::multiHeadAttentionBackward", q, k, v, fwd.output, fwd.logSumExp, dOut,
+                                        internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
+  return g;
+}
+
+/// \brief Backward pass of batchedAttentionForward (same layout, heads, scale, mask, dropout).
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
+MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut,
+    const BatchLayout& layout, const Heads& heads, Scale&& scale, const Mask& mask = Mask(),
+    const Dropout& dropout = Dropout()) {
+  internal::assertBackwardTypes<DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  using Scalar = typename DQ::Scalar;
+  auto g = internal::batchedBackward<Scalar>("sdpa::batchedAttentionBackward", q, k, v, fwd.output, fwd.logSumExp, dOut,
+                                             layout, heads, scale, mask, dropout);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
+  return g;
+}
+
+}  // namespace sdpa
+
+#endif  // SDPA_BACKWARD_HPP
