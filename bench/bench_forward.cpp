@@ -25,6 +25,19 @@ void BM_ForwardNaive(benchmark::State& state) {
   setFlops(state, 4.0 * double(n) * double(n) * double(d));
 }
 
+// The same forward pass with a DiagnosticsSink collecting per-row statistics (diagnostics.hpp).
+void BM_ForwardNaiveWithDiagnostics(benchmark::State& state) {
+  const Eigen::Index n = state.range(0), d = state.range(1);
+  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(n, d), k = Eigen::MatrixXf::Random(n, d),
+                        v = Eigen::MatrixXf::Random(n, d);
+  sdpa::DiagnosticsSink sink;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{}, {}, &sink);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  setFlops(state, 4.0 * double(n) * double(n) * double(d));
+}
+
 // SGEMM of (n x 2d) * (2d x n): 2 * n * n * 2d = 4 n^2 d FLOPs, the same count as the forward.
 void BM_SgemmSameFlops(benchmark::State& state) {
   const Eigen::Index n = state.range(0), d = state.range(1);
@@ -43,6 +56,11 @@ BENCHMARK(BM_ForwardNaive)
     ->ArgNames({"n", "d"})
     ->ArgsProduct({{128, 512, 2048}, {16, 64, 128}})
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ForwardNaiveWithDiagnostics)
+    ->ArgNames({"n", "d"})
+    ->ArgsProduct({{512, 4096}, {64}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardNaive)->ArgNames({"n", "d"})->Args({4096, 64})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SgemmSameFlops)
     ->ArgNames({"n", "d"})
     ->ArgsProduct({{128, 512, 2048}, {16, 64, 128}})

@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "diagnostics_sink.hpp"
 #include "dropout.hpp"
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
@@ -73,12 +74,14 @@ void checkForward(const char* where, Index qRows, Index qCols, Index kRows, Inde
  * \param scale a policy of sdpa::scale (default InvSqrtDk: tau = 1/sqrt(d_k))
  * \param mask  a mask of sdpa::mask (default None)
  * \param dropout attention dropout for training (default off)
+ * \param sink  if not null, receives the per-row diagnostics of this pass (diagnostics.hpp)
  * \throws std::invalid_argument naming the shapes if q/k columns, k/v rows or the mask disagree.
  */
 template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 ForwardResult<typename DQ::Scalar> attentionForward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                                     const Eigen::MatrixBase<DV>& v, const Scale& scale = Scale(),
-                                                    const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+                                                    const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
+                                                    DiagnosticsSink* sink = nullptr) {
   internal::assertScalars<DQ, DK>();
   internal::assertScalars<DQ, DV>();
   internal::assertPolicies<Scale, Mask>();
@@ -86,9 +89,13 @@ ForwardResult<typename DQ::Scalar> attentionForward(const Eigen::MatrixBase<DQ>&
   internal::checkForward("sdpa::attentionForward", q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
   dropout.check("sdpa::attentionForward");
   ForwardResult<Scalar> result{internal::Matrix<Scalar>(q.rows(), v.cols()), internal::Vector<Scalar>(q.rows())};
-  internal::RowMajorMatrix<Scalar> scratch;
+  typename internal::forward_naive_impl<Scalar>::Scratch scratch;
+  if (sink) {
+    sink->start(1, q.rows());
+    sink->inputs(0) = internal::headInputs(q, k, double(scale.template value<Scalar>(q.cols())));
+  }
   internal::forward_naive_impl<Scalar>::run(q, k, v, scale, mask, dropout, 0, 0, 0, result.output, result.logSumExp,
-                                            scratch);
+                                            scratch, sink ? &sink->rows(0) : nullptr);
   return result;
 }
 

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "diagnostics_sink.hpp"
 #include "dropout.hpp"
 #include "forward.hpp"
 #include "internal/checks.hpp"
@@ -155,13 +156,23 @@ auto itemMask(const Mask& mask, const ItemHead& u) {
 template <typename Scalar, typename Scale, typename Mask>
 void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
                       const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
-                      const Dropout& dropout, const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse) {
-  RowMajorMatrix<Scalar> scratch;
+                      const Dropout& dropout, const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse,
+                      DiagnosticsSink* sink) {
+  typename forward_naive_impl<Scalar>::Scratch scratch;
+  if (sink) {
+    sink->start(heads.query, q.rows());
+    for (Index h = 0; h < heads.query; ++h) {
+      const Index g = h / heads.groupSize();
+      sink->inputs(h) = headInputs(q.middleCols(h * dims.dK, dims.dK), k.middleCols(g * dims.dK, dims.dK),
+                                   double(headScale(scale, h).template value<Scalar>(dims.dK)));
+    }
+  }
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     forward_naive_impl<Scalar>::run(
         q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
         v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout, u.head,
-        u.q0, u.k0, out.block(u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ), scratch);
+        u.q0, u.k0, out.block(u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ), scratch,
+        sink ? &sink->rows(u.head) : nullptr);
   });
 }
 
@@ -203,7 +214,7 @@ MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, co
                                                            const Eigen::MatrixBase<DK>& k,
                                                            const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
                                                            const Heads& heads, const Scale& scale, const Mask& mask,
-                                                           const Dropout& dropout) {
+                                                           const Dropout& dropout, DiagnosticsSink* sink) {
   assertScalars<DQ, DK>();
   assertScalars<DQ, DV>();
   SDPA_STATIC_ASSERT(
@@ -221,7 +232,7 @@ MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, co
   dropout.check(where);
   MultiHeadForwardResult<Scalar> r{Matrix<Scalar>(q.rows(), heads.query * dims.dV),
                                    Matrix<Scalar>(q.rows(), heads.query)};
-  multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, dropout, layout, r.output, r.logSumExp);
+  multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, dropout, layout, r.output, r.logSumExp, sink);
   return r;
 }
 
@@ -237,13 +248,16 @@ inline BatchLayout singleItem(Index qRows, Index kRows) { return BatchLayout::va
  * \param scale a shared policy (each head still uses its own d_k) or a `scale::PerHead<...>`
  * \param mask  a mask of sdpa::mask; Keep and Bias may be n_q x n_k (all heads) or
  *              (H n_q) x n_k (one per head); Alibi needs H slopes.
+ * \param dropout attention dropout (default off)
+ * \param sink  if not null, receives the per-row diagnostics of every head
  */
 template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 MultiHeadForwardResult<typename DQ::Scalar> multiHeadAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
-    const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+    const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
+    DiagnosticsSink* sink = nullptr) {
   return internal::batchedForward("sdpa::multiHeadAttention", q, k, v, internal::singleItem(q.rows(), k.rows()), heads,
-                                  scale, mask, dropout);
+                                  scale, mask, dropout, sink);
 }
 
 /// \brief Multi-head attention, the output only: n_q x (H d_v).
@@ -264,8 +278,8 @@ template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrt
 MultiHeadForwardResult<typename DQ::Scalar> batchedAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
-    const Dropout& dropout = Dropout()) {
-  return internal::batchedForward("sdpa::batchedAttention", q, k, v, layout, heads, scale, mask, dropout);
+    const Dropout& dropout = Dropout(), DiagnosticsSink* sink = nullptr) {
+  return internal::batchedForward("sdpa::batchedAttention", q, k, v, layout, heads, scale, mask, dropout, sink);
 }
 
 /// \brief Batched attention, the output only: (sum n_q) x (H d_v).

@@ -6,6 +6,8 @@
 #define SDPA_SDPA_HPP
 
 #include "backward.hpp"
+#include "diagnostics.hpp"
+#include "diagnostics_sink.hpp"
 #include "dropout.hpp"
 #include "forward.hpp"
 #include "mask.hpp"

@@ -145,17 +145,44 @@ typename Derived::Scalar softmaxEntropy(const Eigen::MatrixBase<Derived>& p) {
   return h;
 }
 
+namespace internal {
+
 /**
- * \brief Frobenius norm of diag(p) - p p^T in O(n), from the closed form
- * ||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2 (seed C5): near 0 means a dead gradient.
+ * ||diag(p) - p p^T||_F^2 in O(n). The closed form sum p^2 - 2 sum p^3 + (sum p^2)^2 is exact
+ * enough while max p < 1/2, but cancels (1 - 2 + 1) as p nears one-hot; there the largest entry
+ * p_m is split off and o = sum_{j != m} p_j stands for 1 - p_m:
+ *   sum_i p_i^2 (1 - p_i)^2 = p_m^2 o^2 + sum_{j != m} p_j^2 (1 - p_j)^2,
+ *   sum_{i != j} p_i^2 p_j^2 = 2 p_m^2 r + (r^2 - sum_{j != m} p_j^4),  r = sum_{j != m} p_j^2.
+ * pMax may be passed when known (< 0 to compute it).
+ */
+template <typename Derived>
+double jacobianNormSquared(const Eigen::MatrixBase<Derived>& p, double pMax = -1) {
+  if (p.size() == 0) return 0;
+  if (pMax < 0) pMax = double(p.maxCoeff());
+  if (pMax < 0.5) {
+    const double s2 = double(p.squaredNorm()), s3 = double(p.array().cube().sum());
+    return std::max(0.0, s2 - 2 * s3 + s2 * s2);
+  }
+  Index m = 0;
+  const double pm = double(p.maxCoeff(&m));
+  Eigen::ArrayXd rest = p.template cast<double>().array();  // the entries other than p_m
+  rest(m) = 0;
+  const double o = rest.sum(), r = rest.square().sum();
+  const double diag = (rest.square() * (1 - rest).square()).sum(), r4 = rest.square().square().sum();
+  return pm * pm * o * o + diag + 2 * pm * pm * r + std::max(0.0, r * r - r4);
+}
+
+}  // namespace internal
+
+/**
+ * \brief Frobenius norm of diag(p) - p p^T in O(n) (seed C5): near 0 means a dead gradient.
+ * Equal to sqrt(sum p^2 - 2 sum p^3 + (sum p^2)^2), evaluated without that form's cancellation
+ * when p is nearly one-hot.
  */
 template <typename Derived>
 typename Derived::Scalar softmaxJacobianNorm(const Eigen::MatrixBase<Derived>& p) {
   internal::assertFloatingVector<Derived>();
-  using Scalar = typename Derived::Scalar;
-  const Scalar s2 = p.squaredNorm();
-  const Scalar s3 = p.array().cube().sum();
-  return std::sqrt(std::max(Scalar(0), s2 - 2 * s3 + s2 * s2));
+  return typename Derived::Scalar(std::sqrt(internal::jacobianNormSquared(p)));
 }
 
 }  // namespace sdpa

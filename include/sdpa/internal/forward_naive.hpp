@@ -3,9 +3,13 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "../dropout.hpp"
+#include "../mask.hpp"
+#include "../scale.hpp"
 #include "../softmax.hpp"
+#include "diagnostics_rows.hpp"
 #include "macros.hpp"
 
 namespace sdpa::internal {
@@ -66,17 +70,66 @@ struct forward_naive_impl {
     for (Index i = 0; i < s.rows(); ++i) lse(i) = softmaxInPlace(s.row(i));
   }
 
-  /// One head: out (n_q x d_v) and lse (n_q), with s as n_q x n_k scratch. (row0, col0) place the
-  /// head in the packed batch for the dropout counters.
+  /// n_q x n_k buffers kept alive across heads and calls, and row buffers for the diagnostics.
+  struct Scratch {
+    RowMajorMatrix<Scalar> s;
+    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> raw, logits, finite;
+  };
+
+  /// scratch.s becomes P and lse its logSumExp, as logits + softmaxRows, and stats[row0 + i]
+  /// receives the diagnostics of row i. Scale and mask are applied row by row, so the row's
+  /// raw q.k is still in cache for its statistics.
+  template <typename Scale, typename Mask>
+  static void softmaxWithStats(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const Scale& scale,
+                               const Mask& mask, Index head, Eigen::Ref<Vector<Scalar>> lse, Scratch& scratch,
+                               std::vector<RowStats>& stats, Index row0) {
+    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+    auto& s = scratch.s;
+    s.resize(q.rows(), k.rows());
+    s.noalias() = q * k.transpose();
+    const Scalar tau = scale.template value<Scalar>(q.cols());
+    // Without bias or softcap the raw q.k is the logit / tau: no copy needed.
+    const bool rawFromLogits = !Mask::HasBias && mask::internal::softcapOf(mask) == 0 && tau != 0;
+    for (Index i = 0; i < s.rows(); ++i) {
+      auto row = s.row(i);
+      if (!rawFromLogits) scratch.raw = row;
+      if constexpr (!Scale::IsIdentity) row *= tau;
+      if constexpr (!Mask::IsNone) mask.apply(s.block(i, 0, 1, s.cols()), i, 0, s.rows(), s.cols(), head);
+      scratch.logits = row;
+      if constexpr (Mask::IsNone)
+        scratch.finite = row;
+      else
+        scratch.finite = (row.array() > -inf).select(row, Scalar(0));
+      lse(i) = softmaxInPlace(row);
+      RowStats r = rowStats(scratch.logits, scratch.finite, row, double(lse(i)), Mask::IsNone);
+      if (rawFromLogits) {
+        r.rawSum = r.logitSum / double(tau);
+        r.rawSumSq = r.logitSumSq / (double(tau) * double(tau));
+      } else if (r.visible > 0) {
+        const auto visible = scratch.logits.array() > -inf;
+        r.rawSum = double(visible.select(scratch.raw.array(), Scalar(0)).sum());
+        r.rawSumSq = double(visible.select(scratch.raw.array().square(), Scalar(0)).sum());
+      }
+      stats[size_t(row0 + i)] = r;
+    }
+  }
+
+  /// One head: out (n_q x d_v) and lse (n_q). (row0, col0) place the head in the packed batch,
+  /// for the dropout counters and the diagnostics rows (collected when stats is not null).
   template <typename Scale, typename Mask>
   static void run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, const Scale& scale,
                   const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
-                  Eigen::Ref<Matrix<Scalar>> out, Eigen::Ref<Vector<Scalar>> lse, RowMajorMatrix<Scalar>& s) {
-    logits(q, k, scale, mask, head, s);
-    softmaxRows(s, lse);
-    if (dropout.enabled()) applyDropout(s, dropout, head, row0, col0);
+                  Eigen::Ref<Matrix<Scalar>> out, Eigen::Ref<Vector<Scalar>> lse, Scratch& scratch,
+                  std::vector<RowStats>* stats = nullptr) {
+    if (stats) {
+      softmaxWithStats(q, k, scale, mask, head, lse, scratch, *stats, row0);
+    } else {
+      logits(q, k, scale, mask, head, scratch.s);
+      softmaxRows(scratch.s, lse);
+    }
+    if (dropout.enabled()) applyDropout(scratch.s, dropout, head, row0, col0);
     out.setZero();
-    addProductSkippingZeros(s, v, out);  // out = P v
+    addProductSkippingZeros(scratch.s, v, out);  // out = P v
   }
 };
 

@@ -1,0 +1,209 @@
+// Diagnostics of the scale: every statistic against a direct computation on the materialised P
+// in long double; the streaming sink against the materialised path; known cases (uniform,
+// one-hot, the seed's d_k = 64 unscaled case, identical heads); temperature calibration.
+#include <sdpa/sdpa.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "support/cases.hpp"
+
+using namespace sdpa_test;
+namespace mask = sdpa::mask;
+namespace scale = sdpa::scale;
+using Catch::Matchers::Contains;
+using mask::Align;
+
+namespace {
+
+bool anyContains(const std::vector<std::string>& lines, const std::string& s) {
+  return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(s) != std::string::npos; });
+}
+
+}  // namespace
+
+TEST_CASE("each statistic equals a direct computation on the materialised P", "[diagnostics]") {
+  const Index L = 40, S = 50, d = 16;
+  const Mat<double> q = randn<double>(L, d, 1, 1.5), k = randn<double>(S, d, 2, 2.0);
+  Mat<double> bias = randn<double>(L, S, 3);
+  const double tau = 0.7;
+  const auto m = mask::combine(mask::Causal{Align::LowerRight}, mask::Bias{bias});
+  const sdpa::HeadDiagnostics h = sdpa::diagnose(q, k, scale::Constant{tau}, m).heads.at(0);
+
+  // Direct: visible iff j <= i + S - L; s = tau q.k + b; p = exp(s - max) / sum.
+  long double sum = 0, sumSq = 0, rawSum = 0, rawSumSq = 0, mn = INFINITY, mx = -INFINITY;
+  Index visible = 0, over16 = 0;
+  std::vector<double> pMax, entropy, jac, frac;
+  for (Index i = 0; i < L; ++i) {
+    std::vector<long double> s, raw;
+    for (Index j = 0; j <= std::min(S - 1, i + S - L); ++j) {
+      const long double r = (long double)q.row(i).dot(k.row(j));
+      raw.push_back(r);
+      s.push_back(tau * r + bias(i, j));
+    }
+    for (size_t j = 0; j < s.size(); ++j) {
+      sum += s[j], sumSq += s[j] * s[j], rawSum += raw[j], rawSumSq += raw[j] * raw[j];
+      mn = std::min(mn, s[j]), mx = std::max(mx, s[j]);
+      over16 += s[j] > std::log(65504.0L) ? 1 : 0;
+    }
+    visible += Index(s.size());
+    if (s.size() < 2) continue;
+    const long double m0 = *std::max_element(s.begin(), s.end());
+    long double z = 0;
+    for (const long double x : s) z += std::exp(x - m0);
+    long double h0 = 0, jj = 0;
+    std::vector<long double> p;
+    for (const long double x : s) p.push_back(std::exp(x - m0) / z);
+    for (size_t a = 0; a < p.size(); ++a) {
+      if (p[a] > 0) h0 -= p[a] * std::log(p[a]);
+      for (size_t b = 0; b < p.size(); ++b) {  // ||diag(p) - p p^T||_F^2 entry by entry
+        const long double e = (a == b ? p[a] : 0.0L) - p[a] * p[b];
+        jj += e * e;
+      }
+    }
+    pMax.push_back(double(1 / z));
+    entropy.push_back(double(h0));
+    jac.push_back(double(std::sqrt(jj)));
+    frac.push_back(double(h0 / std::log((long double)s.size())));
+  }
+  const auto mean = [](const std::vector<double>& x) {
+    double t = 0;
+    for (const double v : x) t += v;
+    return t / double(x.size());
+  };
+  const double n = double(visible);
+  CHECK(h.visibleLogits == visible);
+  CHECK(h.singleKeyRows == 0);  // LowerRight with S - L = 10: query 0 already sees 11 keys
+  CHECK(std::abs(h.logitMean - double(sum / n)) <= 1e-12);
+  CHECK(std::abs(h.logitStd - std::sqrt(double(sumSq / n - (sum / n) * (sum / n)))) <= 1e-10);
+  CHECK(h.logitMin == Approx(double(mn)).epsilon(1e-14));
+  CHECK(h.logitMax == Approx(double(mx)).epsilon(1e-14));
+  CHECK(h.rawStd == Approx(std::sqrt(double(rawSumSq / n - (rawSum / n) * (rawSum / n)))).epsilon(1e-10));
+  CHECK(h.invSqrtDkStd == Approx(h.rawStd / 4).epsilon(1e-14));
+  CHECK(h.overflowFp16 == over16);
+  CHECK(h.maxWeight.mean == Approx(mean(pMax)).epsilon(1e-12));
+  CHECK(h.entropy.mean == Approx(mean(entropy)).epsilon(1e-10));
+  CHECK(h.jacobianNorm.mean == Approx(mean(jac)).epsilon(1e-12));
+  CHECK(h.entropyFraction.mean == Approx(mean(frac)).epsilon(1e-10));
+  std::sort(entropy.begin(), entropy.end());
+  // lse - sum p s: absolute error a few ulps of the largest logit (|s| < 40 here).
+  CHECK(std::abs(h.entropy.min - entropy.front()) <= 1e-13);
+  CHECK(std::abs(h.entropy.max - entropy.back()) <= 1e-13);
+  CHECK(std::abs(h.entropy.median - entropy[entropy.size() / 2]) <= 1e-13);
+  std::sort(jac.begin(), jac.end());
+  CHECK(h.jacobianNorm.min == Approx(jac.front()).epsilon(1e-12));  // relative, even for the smallest
+  // Variance check: d_k Var(q) Var(k) from the entries of q and k.
+  const double vq = (q.array() - q.mean()).square().mean(), vk = (k.array() - k.mean()).square().mean();
+  CHECK(h.variancePredicted == Approx(16 * vq * vk).epsilon(1e-12));
+}
+
+TEST_CASE("the streaming sink gives the same figures as the materialised path", "[diagnostics][sink]") {
+  const Index H = 3, dK = 8, L = 30, S = 30;
+  const Mat<double> q = randn<double>(L, H * dK, 1), k = randn<double>(S, dK, 2), v = randn<double>(S, 4, 3);
+  const auto m = mask::combine(mask::Causal{Align::UpperLeft}, mask::Softcap{6.0});
+  sdpa::DiagnosticsSink sink;
+  const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, 1}, scale::None{}, m, {}, &sink);
+  CHECK(fwd.output == sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H, 1}, scale::None{}, m));  // sink is passive
+  const sdpa::Diagnostics streamed = sdpa::diagnostics(sink);
+  const sdpa::Diagnostics direct = sdpa::diagnose(q, k, sdpa::Heads{H, 1}, scale::None{}, m);
+  REQUIRE(streamed.heads.size() == size_t(H));
+  for (Index h = 0; h < H; ++h) {
+    const auto& a = streamed.heads[size_t(h)];
+    const auto& b = direct.heads[size_t(h)];
+    CHECK(a.logitMean == b.logitMean);
+    CHECK(a.logitStd == b.logitStd);
+    CHECK(a.rawStd == b.rawStd);
+    CHECK(a.entropy.mean == b.entropy.mean);
+    CHECK(a.maxWeight.median == b.maxWeight.median);
+    CHECK(a.jacobianNorm.min == b.jacobianNorm.min);
+    CHECK(a.saturatedFraction == b.saturatedFraction);
+    CHECK(a.overflowFp16 == b.overflowFp16);
+    CHECK(a.variancePredicted == b.variancePredicted);
+    CHECK(a.singleKeyRows == 1);  // query 0 sees key 0 only
+  }
+  CHECK(streamed.verdicts == direct.verdicts);
+  // Single head through attentionForward.
+  sdpa::DiagnosticsSink one;
+  sdpa::attentionForward(q.leftCols(dK), k, v, scale::InvSqrtDk{}, mask::None{}, {}, &one);
+  CHECK(sdpa::diagnostics(one).heads.at(0).entropy.mean == sdpa::diagnose(q.leftCols(dK), k).heads.at(0).entropy.mean);
+}
+
+TEST_CASE("known cases: uniform attention, one-hot attention, identical heads  [seed C5, C6, C18]", "[diagnostics]") {
+  SECTION("q = 0: every logit 0, uniform attention, H = log n") {
+    const auto d = sdpa::diagnose(Mat<double>::Zero(5, 4), randn<double>(20, 4, 1));
+    const auto& h = d.heads.at(0);
+    CHECK(h.entropy.mean == Approx(std::log(20.0)).epsilon(1e-14));
+    CHECK(h.entropyFraction.min == Approx(1.0).epsilon(1e-14));
+    CHECK(h.effectiveKeys.mean == Approx(20.0).epsilon(1e-13));
+    CHECK(h.maxWeight.max == Approx(0.05).epsilon(1e-14));
+    CHECK(h.uniformFraction == 1.0);
+    CHECK(h.saturatedFraction == 0.0);
+    CHECK(anyContains(d.verdicts, "near uniform"));
+  }
+  SECTION("one key far above the rest: one-hot, H = 0, Jacobian 0") {
+    Mat<double> k = Mat<double>::Zero(10, 2);
+    k(3, 0) = 1000;
+    const auto d = sdpa::diagnose(Mat<double>::Ones(4, 2), k, scale::None{});
+    const auto& h = d.heads.at(0);
+    CHECK(h.entropy.max <= 1e-300);
+    CHECK(h.jacobianNorm.max == 0);
+    CHECK(h.maxWeight.min == 1.0);
+    CHECK(h.saturatedFraction == 1.0);
+    CHECK(h.overflowFp32 == 4);  // 1000 > 88.72 in every row
+    CHECK(anyContains(d.verdicts, "saturated"));
+    CHECK(anyContains(d.verdicts, "exceed 88.72"));
+  }
+  SECTION("identical heads have similarity 1; independent ones much less") {
+    const Mat<double> qh = randn<double>(16, 8, 2), k = randn<double>(24, 8, 3);
+    Mat<double> q(16, 24);
+    q << qh, qh, qh;
+    const auto same = sdpa::diagnose(q, k, sdpa::Heads{3, 1});
+    CHECK(same.headSimilarity == Approx(1.0).epsilon(1e-12));
+    CHECK(anyContains(same.verdicts, "head collapse"));
+    const auto different = sdpa::diagnose(randn<double>(16, 24, 4), k, sdpa::Heads{3, 1});
+    CHECK(different.headSimilarity < 0.9);
+    CHECK_FALSE(anyContains(different.verdicts, "head collapse"));
+    CHECK(different.pairwiseSimilarity.rows() == 3);
+    CHECK(different.pairwiseSimilarity(0, 1) == different.pairwiseSimilarity(1, 0));
+  }
+}
+
+TEST_CASE("the seed's d_k = 64 case: unscaled is flagged, scaled is healthy  [seed C4, C5, C13, C14]",
+          "[diagnostics][seed]") {
+  const Mat<float> q = randn<float>(256, 64, 1), k = randn<float>(256, 64, 2);
+  const auto unscaled = sdpa::diagnose(q, k, scale::None{});
+  const auto scaled = sdpa::diagnose(q, k);
+  INFO(unscaled.toString() << scaled.toString());
+  CHECK(anyContains(unscaled.verdicts, "the scale looks missing"));
+  CHECK(anyContains(unscaled.verdicts, "saturated"));
+  CHECK(anyContains(unscaled.verdicts, "exceed 11.09"));
+  CHECK(unscaled.heads[0].logitStd == Approx(8.0).epsilon(0.08));
+  CHECK(scaled.verdicts == std::vector<std::string>{"healthy: no saturation, no overflow, logit scale near 1"});
+  CHECK(scaled.heads[0].logitStd == Approx(1.0).epsilon(0.08));
+  // A learnable tau started at 1 is flagged (C17); one at 1/sqrt(d_k) is not.
+  CHECK(anyContains(sdpa::diagnose(q, k, scale::Learnable<float>{1.0f}).verdicts, "risks collapse"));
+  CHECK_FALSE(anyContains(sdpa::diagnose(q, k, scale::Learnable<float>{}).verdicts, "risks collapse"));
+  // The report and the JSON carry the figures and verdicts.
+  CHECK_THAT(unscaled.toString(), Contains("verdict: ") && Contains("logit std"));
+  const std::string json = unscaled.toJson();
+  CHECK(json.front() == '{');
+  CHECK(json.back() == '}');
+  CHECK_THAT(json, Contains("\"verdicts\":[\"") && Contains("\"overflow\":{\"fp16\":"));
+}
+
+TEST_CASE("calibrateTemperature finds the tau of a target entropy or logit std  [seed C10]", "[diagnostics]") {
+  const Mat<double> q = randn<double>(64, 32, 1), k = randn<double>(128, 32, 2);
+  for (const double target : {0.5, 0.8, 0.95}) {
+    const double tau = sdpa::calibrateTemperature(q, k, sdpa::CalibrationTarget::entropyFraction(target));
+    const double reached = sdpa::diagnose(q, k, scale::Constant{tau}).heads[0].entropyFraction.mean;
+    INFO("target " << target << " tau " << tau << " reached " << reached);
+    CHECK(std::abs(reached - target) < 1e-6);
+  }
+  const double tau1 = sdpa::calibrateTemperature(q, k, sdpa::CalibrationTarget::logitStd(1.0));
+  CHECK(sdpa::diagnose(q, k, scale::Constant{tau1}).heads[0].logitStd == Approx(1.0).epsilon(1e-6));
+  // Unit-variance q and k: tau for std 1 is close to 1/sqrt(d_k) (seed C7).
+  CHECK(std::abs(tau1 * std::sqrt(32.0) - 1) < 0.1);
+  CHECK_THROWS_WITH(sdpa::calibrateTemperature(q, k, sdpa::CalibrationTarget::entropyFraction(1.5)),
+                    Contains("entropy fraction in (0, 1)"));
+}
