@@ -168,3 +168,26 @@ TEST_CASE("Jacobian norm and entropy: closed forms and the saturated limit  [see
   CHECK(dominated);
   CHECK(previous < 1e-12);
 }
+
+TEST_CASE("softmaxJacobianNorm stays accurate for nearly one-hot p", "[softmax][jacobian]") {
+  // The closed form sum p^2 - 2 sum p^3 + (sum p^2)^2 cancels to rounding noise here.
+  for (const double gap : {5.0, 15.0, 30.0, 60.0}) {
+    Eigen::VectorXd x = Eigen::VectorXd::Zero(20);
+    x(7) = gap;
+    const Eigen::VectorXd p = sdpa::softmax(x);
+    // Reference: the Jacobian of the exact softmax of x, entry by entry in long double, with
+    // 1 - p_m written as the sum of the other entries (as 1 - p_m itself would cancel too).
+    std::vector<long double> pl(20);
+    const long double z = 19 + std::exp((long double)gap);
+    for (Index i = 0; i < 20; ++i) pl[size_t(i)] = std::exp((long double)x(i)) / z;
+    long double direct = 0;
+    for (Index i = 0; i < 20; ++i)
+      for (Index j = 0; j < 20; ++j) {
+        const long double e =
+            i == j ? pl[size_t(i)] * (i == 7 ? 19 / z : 1 - pl[size_t(i)]) : -pl[size_t(i)] * pl[size_t(j)];
+        direct += e * e;
+      }
+    INFO("gap " << gap << ": direct " << double(std::sqrt(direct)) << ", library " << sdpa::softmaxJacobianNorm(p));
+    CHECK(std::abs(sdpa::softmaxJacobianNorm(p) / double(std::sqrt(direct)) - 1) <= 1e-13);
+  }
+}
