@@ -83,13 +83,8 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const ConstRef<Sca
                                            const ConstRef<Scalar>& lse, const ConstRef<Scalar>& dO,
                                            const BatchLayout& layout, const Heads& heads, const Scale& scale,
                                            const Mask& mask, const Dropout& dropout) {
-  const HeadDims dims = checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
-  checkScaleHeads(where, scale, heads.query);
-  checkLayout(where, layout, q.rows(), k.rows());
-  for (Index b = 0; b < layout.size(); ++b)
-    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
-               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
-  dropout.check(where);
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
+                                   scale, mask, dropout);
   checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
                               lse.cols(), dO.rows(), dO.cols());
 
@@ -119,11 +114,7 @@ void assertBackwardTypes() {
   assertScalars<DQ, DK>();
   assertScalars<DQ, DV>();
   assertScalars<DQ, DO>();
-  SDPA_STATIC_ASSERT(
-      scale::IsPolicy<Scale>,
-      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
-  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
-                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  assertPolicyTypes<Scale, Mask>();
 }
 
 }  // namespace internal

@@ -342,16 +342,11 @@ template <typename DQ, typename DK, typename Scale, typename Mask>
 Diagnostics diagnoseImpl(const char* where, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                          const Heads& heads, const Scale& scale, const Mask& mask) {
   assertScalars<DQ, DK>();
-  SDPA_STATIC_ASSERT(
-      scale::IsPolicy<Scale>,
-      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
-  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
-                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  assertPolicyTypes<Scale, Mask>();
   using Scalar = typename DQ::Scalar;
   // k doubles as v (n_k x H_kv d_k) for the shape check; v is never read here.
-  const HeadDims dims = checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), k.cols());
-  checkScaleHeads(where, scale, heads.query);
-  mask.check(where, q.rows(), k.rows(), heads.query);
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), k.cols(),
+                                   singleItem(q.rows(), k.rows()), heads, scale, mask, Dropout{});
   const ConstRef<Scalar> qr(q), kr(k);
   Diagnostics d;
   std::vector<Eigen::MatrixXd> weights;

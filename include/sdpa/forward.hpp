@@ -38,13 +38,22 @@ struct ForwardResult {
 
 namespace internal {
 
+/// Scale and mask argument types; per-head scales are allowed (the multi-head entry points).
 template <typename Scale, typename Mask>
-void assertPolicies() {
+void assertPolicyTypes() {
   SDPA_STATIC_ASSERT(
       scale::IsPolicy<Scale>,
       THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
   SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
                      THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+}
+
+/// The same for the single-head entry points, which have no per-head scale.
+template <typename Scale, typename Mask>
+void assertPolicies() {
+  assertPolicyTypes<Scale, Mask>();
+  SDPA_STATIC_ASSERT(!scale::IsPerHead<Scale>,
+                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttention);
 }
 
 template <typename DQ, typename DK>

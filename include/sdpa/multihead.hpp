@@ -209,6 +209,21 @@ inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, In
 
 namespace internal {
 
+/// Every run-time check of a multi-head or batched call; returns each head's d_k and d_v.
+template <typename Scale, typename Mask>
+HeadDims checkBatch(const char* where, Index qRows, Index qCols, Index kRows, Index kCols, Index vRows, Index vCols,
+                    const BatchLayout& layout, const Heads& heads, const Scale& scale, const Mask& mask,
+                    const Dropout& dropout) {
+  const HeadDims dims = checkHeads(where, heads, qRows, qCols, kRows, kCols, vRows, vCols);
+  checkScaleHeads(where, scale, heads.query);
+  checkLayout(where, layout, qRows, kRows);
+  for (Index b = 0; b < layout.size(); ++b)
+    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
+               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
+  dropout.check(where);
+  return dims;
+}
+
 template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, const Eigen::MatrixBase<DQ>& q,
                                                            const Eigen::MatrixBase<DK>& k,
@@ -217,19 +232,10 @@ MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, co
                                                            const Dropout& dropout, DiagnosticsSink* sink) {
   assertScalars<DQ, DK>();
   assertScalars<DQ, DV>();
-  SDPA_STATIC_ASSERT(
-      scale::IsPolicy<Scale>,
-      THE_SCALE_ARGUMENT_MUST_BE_A_SCALE_POLICY__PASS_sdpa_scale_InvSqrtDk_OR_ANOTHER_POLICY_BEFORE_THE_MASK);
-  SDPA_STATIC_ASSERT(mask::IsMask<Mask>,
-                     THE_MASK_ARGUMENT_MUST_BE_A_MASK_FROM_sdpa_mask__FOR_A_MATRIX_WRAP_IT_IN_Keep_OR_Bias);
+  assertPolicyTypes<Scale, Mask>();
   using Scalar = typename DQ::Scalar;
-  const HeadDims dims = checkHeads(where, heads, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols());
-  checkScaleHeads(where, scale, heads.query);
-  checkLayout(where, layout, q.rows(), k.rows());
-  for (Index b = 0; b < layout.size(); ++b)
-    mask.check(where, layout.qOffsets[size_t(b) + 1] - layout.qOffsets[size_t(b)],
-               layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)], heads.query);
-  dropout.check(where);
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
+                                   scale, mask, dropout);
   MultiHeadForwardResult<Scalar> r{Matrix<Scalar>(q.rows(), heads.query * dims.dV),
                                    Matrix<Scalar>(q.rows(), heads.query)};
   multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, dropout, layout, r.output, r.logSumExp, sink);
