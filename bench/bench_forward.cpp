@@ -1,69 +1,145 @@
 // Forward pass throughput, GFLOP/s counted as 4 n_q n_k d / time (QK^T and PV, 2 FLOPs per MAC),
-// beside an SGEMM of the same FLOP count, the ceiling a forward pass can approach.
+// with the ratio to a one-thread SGEMM of the same FLOP count measured in the same run
+// ("xSGEMM": Eigen's; "xSGEMM_openblas" when built with OpenBLAS). One head, n_q = n_k = n,
+// d_k = d_v = d, float.
 //
-//   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_forward
-#include <benchmark/benchmark.h>
-
+//   cmake --preset bench && cmake --build --preset bench
+//   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE build/bench/bench/bench_forward
+//       --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 #include <sdpa/sdpa.hpp>
+
+#include "common.hpp"
 
 namespace {
 
-void setFlops(benchmark::State& state, double flopsPerIteration) {
-  state.counters["GFLOPS"] =
-      benchmark::Counter(flopsPerIteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+using sdpa_bench::Index;
+
+Eigen::MatrixXf input(Index rows, Index cols, unsigned seed) {
+  std::srand(seed);
+  return Eigen::MatrixXf::Random(rows, cols);
 }
 
-// args: n (= n_q = n_k), d (= d_k = d_v)
-void BM_ForwardNaive(benchmark::State& state) {
-  const Eigen::Index n = state.range(0), d = state.range(1);
-  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(n, d), k = Eigen::MatrixXf::Random(n, d),
-                        v = Eigen::MatrixXf::Random(n, d);
+/// The naive forward as most users write it, with its n x n buffers allocated once outside
+/// the timing loop ("the same with preallocated buffers" of the baseline table).
+struct PreallocatedNaive {
+  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> s;
+  Eigen::MatrixXf out;
+  void run(const Eigen::MatrixXf& q, const Eigen::MatrixXf& k, const Eigen::MatrixXf& v) {
+    s.noalias() = q * k.transpose();
+    s *= 1.0f / std::sqrt(float(q.cols()));
+    for (Index i = 0; i < s.rows(); ++i) {
+      auto row = s.row(i).array();
+      row = (row - row.maxCoeff()).exp();
+      row /= row.sum();
+    }
+    out.noalias() = s * v;
+  }
+};
+
+// args: n, d, threads
+void BM_ForwardPreallocatedNaive(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  PreallocatedNaive naive;
+  naive.run(q, k, v);
+  const sdpa_bench::LoopTimer timer;
   for (auto _ : state) {
-    auto out = sdpa::attentionForward(q, k, v);
+    naive.run(q, k, v);
+    benchmark::DoNotOptimize(naive.out.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
+}
+
+/// sdpa's forward with kernel K and scale policy P. args: n, d, threads
+template <typename K, typename P = sdpa::scale::InvSqrtDk>
+void forward(benchmark::State& state, const K& kernel) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  P scale{};
+  benchmark::DoNotOptimize(sdpa::attentionForward(kernel, q, k, v, scale).output.data());  // warm scratch
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(kernel, q, k, v, scale);
     benchmark::DoNotOptimize(out.output.data());
   }
-  setFlops(state, 4.0 * double(n) * double(n) * double(d));
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
-// The same forward pass with a DiagnosticsSink collecting per-row statistics (diagnostics.hpp).
-void BM_ForwardNaiveWithDiagnostics(benchmark::State& state) {
-  const Eigen::Index n = state.range(0), d = state.range(1);
-  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(n, d), k = Eigen::MatrixXf::Random(n, d),
-                        v = Eigen::MatrixXf::Random(n, d);
-  sdpa::DiagnosticsSink sink;
-  for (auto _ : state) {
-    auto out = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{}, {}, &sink);
-    benchmark::DoNotOptimize(out.output.data());
-  }
-  setFlops(state, 4.0 * double(n) * double(n) * double(d));
+template <typename K, typename P = sdpa::scale::InvSqrtDk>
+void BM_Forward(benchmark::State& state) {
+  forward<K, P>(state, K{});
 }
 
-// SGEMM of (n x 2d) * (2d x n): 2 * n * n * 2d = 4 n^2 d FLOPs, the same count as the forward.
-void BM_SgemmSameFlops(benchmark::State& state) {
-  const Eigen::Index n = state.range(0), d = state.range(1);
-  const Eigen::MatrixXf a = Eigen::MatrixXf::Random(n, 2 * d), b = Eigen::MatrixXf::Random(2 * d, n);
-  Eigen::MatrixXf c(n, n);
+/// The tiled kernel with explicit block sizes. args: n, d, threads, blockQ, blockK
+void BM_ForwardBlocks(benchmark::State& state) { forward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)}); }
+
+/// Multi-head: H heads of d = 64 (batch x heads >= 2 for the 2-thread target). args: n, H, threads
+void BM_ForwardHeads(benchmark::State& state) {
+  const Index n = state.range(0), H = state.range(1), d = 64;
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, H * d, 1), k = input(n, H * d, 2), v = input(n, H * d, 3);
+  benchmark::DoNotOptimize(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}).data());
+  const sdpa_bench::LoopTimer timer;
   for (auto _ : state) {
-    c.noalias() = a * b;
-    benchmark::DoNotOptimize(c.data());
+    auto out = sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H});
+    benchmark::DoNotOptimize(out.data());
   }
-  setFlops(state, 4.0 * double(n) * double(n) * double(d));
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d * H), timer.seconds(), n, n, d * H);
+}
+
+void sweep(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "d", "threads"});
+  for (const Index n : {128, 512, 2048, 8192})
+    for (const Index d : {16, 32, 64, 128, 256}) b->Args({n, d, 1});
+  b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+void targets(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "d", "threads"});
+  for (const Index n : {1024, 4096, 16384})
+    for (const Index d : {16, 64, 128}) b->Args({n, d, 1});
+  b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace
 
-BENCHMARK(BM_ForwardNaive)
-    ->ArgNames({"n", "d"})
-    ->ArgsProduct({{128, 512, 2048}, {16, 64, 128}})
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_ForwardNaiveWithDiagnostics)
-    ->ArgNames({"n", "d"})
-    ->ArgsProduct({{512, 4096}, {64}})
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)->Apply(sweep);
+BENCHMARK(BM_Forward<sdpa::kernel::Naive>)->Apply(sweep);
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)->Name("BM_ForwardTargets<Tiled>")->Apply(targets);
+BENCHMARK(BM_ForwardPreallocatedNaive)
+    ->ArgNames({"n", "d", "threads"})
+    ->ArgsProduct({{1024, 4096}, {16, 64, 128}, {1}})
+    ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ForwardNaive)->ArgNames({"n", "d"})->Args({4096, 64})->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_SgemmSameFlops)
-    ->ArgNames({"n", "d"})
-    ->ArgsProduct({{128, 512, 2048}, {16, 64, 128}})
-    ->Unit(benchmark::kMicrosecond);
+// Policy cost: InvSqrtDk (above), None and Learnable fold into the same query-block multiply.
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled, sdpa::scale::None>)
+    ->ArgNames({"n", "d", "threads"})
+    ->Args({4096, 64, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled, sdpa::scale::Learnable<float>>)
+    ->ArgNames({"n", "d", "threads"})
+    ->Args({4096, 64, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+// Threads: one head with n_q >= 1024, and 8 heads.
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)
+    ->Name("BM_ForwardThreads<Tiled>")
+    ->ArgNames({"n", "d", "threads"})
+    ->ArgsProduct({{4096}, {64}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardHeads)
+    ->ArgNames({"n", "H", "threads"})
+    ->ArgsProduct({{1024}, {8}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+// Block sizes, for tuning: n = 4096.
+BENCHMARK(BM_ForwardBlocks)
+    ->ArgNames({"n", "d", "threads", "bq", "bk"})
+    ->ArgsProduct({{4096}, {16, 64, 128, 256}, {1}, {32, 64, 128, 256}, {64, 128, 256, 512}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

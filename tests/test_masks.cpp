@@ -35,72 +35,75 @@ TEMPLATE_TEST_CASE("every mask and combination matches the reference definitions
   using T = TestType;
   constexpr T inf = std::numeric_limits<T>::infinity();
   std::uint64_t seed = 500;
-  for (const Shape& sh : maskShapes()) {
-    INFO("shape " << toString(sh));
-    const Index L = sh.nQ, S = sh.nK;
-    const Mat<T> q = randn<T>(L, sh.dK, ++seed, 2.0), k = randn<T>(S, sh.dK, ++seed), v = randn<T>(S, sh.dV, ++seed);
-    Mat<T> bias = randn<T>(L, S, ++seed);
-    bias(0, 0) = -inf;
-    const long double tau = 1.0L / std::sqrt((long double)sh.dK);
-    const sdpa::scale::InvSqrtDk scale;
-    const auto biasFn = [&](Index i, Index j) { return bias(i, j) == -inf ? 0.0L : (long double)bias(i, j); };
-    const auto biasVisible = [&](Index i, Index j) { return bias(i, j) != -inf; };
+  forEachKernel([&](const auto& kern, const char* kernelName) {
+    INFO("kernel " << kernelName);
+    for (const Shape& sh : maskShapes()) {
+      INFO("shape " << toString(sh));
+      const Index L = sh.nQ, S = sh.nK;
+      const Mat<T> q = randn<T>(L, sh.dK, ++seed, 2.0), k = randn<T>(S, sh.dK, ++seed), v = randn<T>(S, sh.dV, ++seed);
+      Mat<T> bias = randn<T>(L, S, ++seed);
+      bias(0, 0) = -inf;
+      const long double tau = 1.0L / std::sqrt((long double)sh.dK);
+      const sdpa::scale::InvSqrtDk scale;
+      const auto biasFn = [&](Index i, Index j) { return bias(i, j) == -inf ? 0.0L : (long double)bias(i, j); };
+      const auto biasVisible = [&](Index i, Index j) { return bias(i, j) != -inf; };
 
-    for (const Index left : {Index(-1), Index(0), Index(2)})
-      for (const Index right : {Index(-1), Index(0), Index(1)}) {
-        INFO("window (" << left << ", " << right << ")");
-        checkForward<T>(
-            q, k, v, scale, mask::SlidingWindow{left, right, Align::LowerRight}, tau,
-            [=](Index i, Index j) { return window(i, j, L, S, left, right, true); }, noBias());
-        checkForward<T>(
-            q, k, v, scale, mask::SlidingWindow{left, right, Align::UpperLeft}, tau,
-            [=](Index i, Index j) { return window(i, j, L, S, left, right, false); }, noBias());
+      for (const Index left : {Index(-1), Index(0), Index(2)})
+        for (const Index right : {Index(-1), Index(0), Index(1)}) {
+          INFO("window (" << left << ", " << right << ")");
+          checkForwardWith<T>(
+              kern, q, k, v, scale, mask::SlidingWindow{left, right, Align::LowerRight}, tau,
+              [=](Index i, Index j) { return window(i, j, L, S, left, right, true); }, noBias());
+          checkForwardWith<T>(
+              kern, q, k, v, scale, mask::SlidingWindow{left, right, Align::UpperLeft}, tau,
+              [=](Index i, Index j) { return window(i, j, L, S, left, right, false); }, noBias());
+        }
+      for (Index len = 0; len <= S; len += std::max<Index>(1, S / 3)) {
+        INFO("KeyLength " << len);
+        checkForwardWith<T>(
+            kern, q, k, v, scale, mask::KeyLength{len}, tau, [=](Index, Index j) { return j < len; }, noBias());
       }
-    for (Index len = 0; len <= S; len += std::max<Index>(1, S / 3)) {
-      INFO("KeyLength " << len);
-      checkForward<T>(
-          q, k, v, scale, mask::KeyLength{len}, tau, [=](Index, Index j) { return j < len; }, noBias());
+      for (Index len = 0; len <= L; len += std::max<Index>(1, L / 3)) {
+        INFO("QueryLength " << len);
+        checkForwardWith<T>(
+            kern, q, k, v, scale, mask::QueryLength{len}, tau, [=](Index i, Index) { return i < len; }, noBias());
+      }
+      {
+        INFO("Alibi, one head of slope 0.25, bottom-right: -m |i + S - L - j|");
+        checkForwardWith<T>(kern, q, k, v, scale, mask::Alibi{{0.25}, Align::LowerRight}, tau, allVisible(),
+                            [=](Index i, Index j) { return -0.25L * std::abs((long double)(i + S - L - j)); });
+      }
+      {
+        INFO("Softcap 2.5: 2.5 tanh(s / 2.5) before the mask");
+        checkForwardWith<T>(kern, q, k, v, scale, mask::Softcap{2.5}, tau, allVisible(), noBias(), 2.5L);
+      }
+      {
+        INFO("causal (bottom-right) + window (3, 0) + key length + bias");
+        const Index len = std::max<Index>(1, S - 2);
+        checkForwardWith<T>(
+            kern, q, k, v, scale,
+            mask::combine(mask::Causal{Align::LowerRight}, mask::SlidingWindow{3, 0, Align::LowerRight},
+                          mask::KeyLength{len}, mask::Bias{bias}),
+            tau,
+            [&, len](Index i, Index j) {
+              return lowerRight(i, j, L, S) && window(i, j, L, S, 3, 0, true) && j < len && biasVisible(i, j);
+            },
+            biasFn);
+      }
+      {
+        INFO("bias listed before softcap: the softcap still applies first");
+        checkForwardWith<T>(
+            kern, q, k, v, scale, mask::combine(mask::Bias{bias}, mask::Softcap{1.5}, mask::Causal{Align::UpperLeft}),
+            tau, [&](Index i, Index j) { return upperLeft(i, j) && biasVisible(i, j); }, biasFn, 1.5L);
+      }
+      {
+        INFO("causal (top-left) + ALiBi (top-left)");
+        checkForwardWith<T>(kern, q, k, v, scale,
+                            mask::combine(mask::Causal{Align::UpperLeft}, mask::Alibi{{0.5}, Align::UpperLeft}), tau,
+                            upperLeft, [](Index i, Index j) { return -0.5L * std::abs((long double)(i - j)); });
+      }
     }
-    for (Index len = 0; len <= L; len += std::max<Index>(1, L / 3)) {
-      INFO("QueryLength " << len);
-      checkForward<T>(
-          q, k, v, scale, mask::QueryLength{len}, tau, [=](Index i, Index) { return i < len; }, noBias());
-    }
-    {
-      INFO("Alibi, one head of slope 0.25, bottom-right: -m |i + S - L - j|");
-      checkForward<T>(q, k, v, scale, mask::Alibi{{0.25}, Align::LowerRight}, tau, allVisible(),
-                      [=](Index i, Index j) { return -0.25L * std::abs((long double)(i + S - L - j)); });
-    }
-    {
-      INFO("Softcap 2.5: 2.5 tanh(s / 2.5) before the mask");
-      checkForward<T>(q, k, v, scale, mask::Softcap{2.5}, tau, allVisible(), noBias(), 2.5L);
-    }
-    {
-      INFO("causal (bottom-right) + window (3, 0) + key length + bias");
-      const Index len = std::max<Index>(1, S - 2);
-      checkForward<T>(
-          q, k, v, scale,
-          mask::combine(mask::Causal{Align::LowerRight}, mask::SlidingWindow{3, 0, Align::LowerRight},
-                        mask::KeyLength{len}, mask::Bias{bias}),
-          tau,
-          [&, len](Index i, Index j) {
-            return lowerRight(i, j, L, S) && window(i, j, L, S, 3, 0, true) && j < len && biasVisible(i, j);
-          },
-          biasFn);
-    }
-    {
-      INFO("bias listed before softcap: the softcap still applies first");
-      checkForward<T>(
-          q, k, v, scale, mask::combine(mask::Bias{bias}, mask::Softcap{1.5}, mask::Causal{Align::UpperLeft}), tau,
-          [&](Index i, Index j) { return upperLeft(i, j) && biasVisible(i, j); }, biasFn, 1.5L);
-    }
-    {
-      INFO("causal (top-left) + ALiBi (top-left)");
-      checkForward<T>(q, k, v, scale,
-                      mask::combine(mask::Causal{Align::UpperLeft}, mask::Alibi{{0.5}, Align::UpperLeft}), tau,
-                      upperLeft, [](Index i, Index j) { return -0.5L * std::abs((long double)(i - j)); });
-    }
-  }
+  });
 }
 
 TEMPLATE_TEST_CASE("NaN and inf at hidden positions of k, v and the bias leave the output unchanged", "[mask]", float,

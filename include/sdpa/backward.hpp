@@ -17,6 +17,8 @@
 #include "dropout.hpp"
 #include "forward.hpp"
 #include "internal/backward_naive.hpp"
+#include "internal/backward_tiled.hpp"
+#include "kernel.hpp"
 #include "mask.hpp"
 #include "multihead.hpp"
 #include "scale.hpp"
@@ -77,12 +79,12 @@ template <typename Scale>
 inline constexpr bool AccumulatesInto =
     std::decay_t<Scale>::IsLearnable && !std::is_const_v<std::remove_reference_t<Scale>>;
 
-template <typename Scalar, typename Scale, typename Mask>
-MultiHeadGradients<Scalar> batchedBackward(const char* where, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                                           const ConstRef<Scalar>& v, const ConstRef<Scalar>& o,
-                                           const ConstRef<Scalar>& lse, const ConstRef<Scalar>& dO,
-                                           const BatchLayout& layout, const Heads& heads, const Scale& scale,
-                                           const Mask& mask, const Dropout& dropout) {
+template <typename Scalar, typename Kernel, typename Scale, typename Mask>
+MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
+                                           const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
+                                           const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
+                                           const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
+                                           const Scale& scale, const Mask& mask, const Dropout& dropout) {
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
   checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
@@ -95,6 +97,11 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const ConstRef<Sca
                                {}};
   const auto [biasRows, biasCols] = mask::internal::biasMatrixShape(mask);
   if (biasRows >= 0) g.dbias.setZero(biasRows, biasCols);
+  if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
+    backwardTiled<Scalar>(kern, q, k, v, o, lse, dO, layout, heads, dims, scale, mask, dropout, g.dq, g.dk, g.dv,
+                          g.dscale, biasRows >= 0 ? &g.dbias : nullptr);
+    return g;
+  }
   typename backward_naive_impl<Scalar>::Scratch scratch;
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     const Index dbiasRow0 = biasRows == u.nQ ? 0 : u.head * u.nQ;
@@ -109,8 +116,9 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const ConstRef<Sca
   return g;
 }
 
-template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>
 void assertBackwardTypes() {
+  assertKernel<Kernel>();
   assertScalars<DQ, DK>();
   assertScalars<DQ, DV>();
   assertScalars<DQ, DO>();
@@ -122,29 +130,42 @@ void assertBackwardTypes() {
 /**
  * \brief Backward pass of one head.
  *
+ * \param kernel optional first argument: `kernel::Tiled{}` (the default) or `kernel::Naive{}`
  * \param fwd   the ForwardResult of attentionForward(q, k, v, scale, mask, dropout)
  * \param dOut  dL/dO, n_q x d_v
  * \param scale the same policy as the forward pass; a non-const Learnable accumulates dL/dtau
  * \param mask, dropout the same as the forward pass
  * \throws std::invalid_argument naming the shapes on any mismatch.
  */
-template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
-Gradients<typename DQ::Scalar> attentionBackward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                 const Eigen::MatrixBase<DV>& v,
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask = mask::None, typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+Gradients<typename DQ::Scalar> attentionBackward(const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                                 const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                                                  const ForwardResult<typename DQ::Scalar>& fwd,
                                                  const Eigen::MatrixBase<DO>& dOut, Scale&& scale,
                                                  const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
   using S = std::decay_t<Scale>;
-  internal::assertBackwardTypes<DQ, DK, DV, DO, S, Mask>();
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, S, Mask>();
   SDPA_STATIC_ASSERT(!scale::IsPerHead<S>,
                      A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackward);
   using Scalar = typename DQ::Scalar;
   constexpr const char* where = "sdpa::attentionBackward";
   internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
-  auto g = internal::batchedBackward<Scalar>(where, q, k, v, fwd.output, fwd.logSumExp, dOut,
+  auto g = internal::batchedBackward<Scalar>(where, kern, q, k, v, fwd.output, fwd.logSumExp, dOut,
                                              internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
   return Gradients<Scalar>{std::move(g.dq), std::move(g.dk), std::move(g.dv), g.dscale(0), std::move(g.dbias)};
+}
+
+/// \brief attentionBackward with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+Gradients<typename DQ::Scalar> attentionBackward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                 const Eigen::MatrixBase<DV>& v,
+                                                 const ForwardResult<typename DQ::Scalar>& fwd,
+                                                 const Eigen::MatrixBase<DO>& dOut, Scale&& scale,
+                                                 const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  return attentionBackward(kernel::Tiled{}, q, k, v, fwd, dOut, std::forward<Scale>(scale), mask, dropout);
 }
 
 /// \brief Backward pass with the default policies of the forward pass (InvSqrtDk, no mask).
@@ -153,40 +174,65 @@ Gradients<typename DQ::Scalar> attentionBackward(const Eigen::MatrixBase<DQ>& q,
                                                  const Eigen::MatrixBase<DV>& v,
                                                  const ForwardResult<typename DQ::Scalar>& fwd,
                                                  const Eigen::MatrixBase<DO>& dOut) {
-  return attentionBackward(q, k, v, fwd, dOut, scale::InvSqrtDk{});
+  return attentionBackward(kernel::Tiled{}, q, k, v, fwd, dOut, scale::InvSqrtDk{});
 }
 
 /**
  * \brief Backward pass of multiHeadAttentionForward: gradients in the packed layout, GQA/MQA
  * kv-head gradients summed over the query heads that share them, dscale per query head.
  */
-template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask = mask::None, typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
 MultiHeadGradients<typename DQ::Scalar> multiHeadAttentionBackward(
-    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut, const Heads& heads,
     Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
-  internal::assertBackwardTypes<DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
   using Scalar = typename DQ::Scalar;
   auto g =
-      internal::batchedBackward<Scalar>("sdpa::multiHeadAttentionBackward", q, k, v, fwd.output, fwd.logSumExp, dOut,
-                                        internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout);
+      internal::batchedBackward<Scalar>("sdpa::multiHeadAttentionBackward", kern, q, k, v, fwd.output, fwd.logSumExp,
+                                        dOut, internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
   return g;
 }
 
+/// \brief multiHeadAttentionBackward with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+MultiHeadGradients<typename DQ::Scalar> multiHeadAttentionBackward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut, const Heads& heads,
+    Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  return multiHeadAttentionBackward(kernel::Tiled{}, q, k, v, fwd, dOut, heads, std::forward<Scale>(scale), mask,
+                                    dropout);
+}
+
 /// \brief Backward pass of batchedAttentionForward (same layout, heads, scale, mask, dropout).
-template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask = mask::None, typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut,
+    const BatchLayout& layout, const Heads& heads, Scale&& scale, const Mask& mask = Mask(),
+    const Dropout& dropout = Dropout()) {
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  using Scalar = typename DQ::Scalar;
+  auto g = internal::batchedBackward<Scalar>("sdpa::batchedAttentionBackward", kern, q, k, v, fwd.output, fwd.logSumExp,
+                                             dOut, layout, heads, scale, mask, dropout);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
+  return g;
+}
+
+/// \brief batchedAttentionBackward with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
 MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const MultiHeadForwardResult<typename DQ::Scalar>& fwd, const Eigen::MatrixBase<DO>& dOut,
     const BatchLayout& layout, const Heads& heads, Scale&& scale, const Mask& mask = Mask(),
     const Dropout& dropout = Dropout()) {
-  internal::assertBackwardTypes<DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
-  using Scalar = typename DQ::Scalar;
-  auto g = internal::batchedBackward<Scalar>("sdpa::batchedAttentionBackward", q, k, v, fwd.output, fwd.logSumExp, dOut,
-                                             layout, heads, scale, mask, dropout);
-  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
-  return g;
+  return batchedAttentionBackward(kernel::Tiled{}, q, k, v, fwd, dOut, layout, heads, std::forward<Scale>(scale), mask,
+                                  dropout);
 }
 
 }  // namespace sdpa

@@ -16,7 +16,10 @@
 #include "dropout.hpp"
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
+#include "internal/forward_tiled.hpp"
 #include "internal/macros.hpp"
+#include "kernel.hpp"
+#include "layout.hpp"
 #include "mask.hpp"
 #include "scale.hpp"
 
@@ -29,11 +32,13 @@ namespace sdpa {
 template <typename Scalar_>
 struct ForwardResult {
   using Scalar = Scalar_;
+  /// The type of the logits and the logSumExp: float for half, bfloat16 and float, else double.
+  using AccScalar = internal::Accumulator<Scalar>;
   /// n_q x d_v. Rows of fully masked queries are 0.
   internal::Matrix<Scalar> output;
   /// n_q: log sum_j exp(S_ij) over the keys query i sees; -inf for a fully masked row, NaN for a
   /// row with a NaN visible logit.
-  internal::Vector<Scalar> logSumExp;
+  internal::Vector<AccScalar> logSumExp;
 };
 
 namespace internal {
@@ -56,12 +61,38 @@ void assertPolicies() {
                      A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttention);
 }
 
+/// Inputs of the backward pass and of the materialising helpers: float or double.
 template <typename DQ, typename DK>
 void assertScalars() {
   using Scalar = typename DQ::Scalar;
   SDPA_STATIC_ASSERT(IsSupportedScalar<Scalar>, ATTENTION_INPUTS_MUST_BE_float_OR_double__CONVERT_WITH_cast);
   SDPA_STATIC_ASSERT((std::is_same_v<Scalar, typename DK::Scalar>),
                      Q_K_AND_V_MUST_HAVE_THE_SAME_SCALAR_TYPE__CONVERT_WITH_cast);
+}
+
+/// Inputs of the forward pass: float, double, Eigen::half or Eigen::bfloat16, all the same.
+template <typename DQ, typename DK, typename DV>
+void assertForwardScalars() {
+  using Scalar = typename DQ::Scalar;
+  SDPA_STATIC_ASSERT(IsSupportedScalar<Scalar> || IsHalfScalar<Scalar>,
+                     ATTENTION_INPUTS_MUST_BE_float_OR_double_OR_Eigen_half_OR_Eigen_bfloat16__CONVERT_WITH_cast);
+  SDPA_STATIC_ASSERT((std::is_same_v<Scalar, typename DK::Scalar> && std::is_same_v<Scalar, typename DV::Scalar>),
+                     Q_K_AND_V_MUST_HAVE_THE_SAME_SCALAR_TYPE__CONVERT_WITH_cast);
+}
+
+/// The output type of a forward pass: the input type unless the caller asked for another.
+template <typename Requested, typename In>
+using OutputScalar = std::conditional_t<std::is_void_v<Requested>, In, Requested>;
+
+template <typename Out, typename In>
+void assertOutputScalar() {
+  SDPA_STATIC_ASSERT((std::is_same_v<Out, In> || (IsHalfScalar<In> && std::is_same_v<Out, float>)),
+                     THE_OUTPUT_TYPE_IS_THE_INPUT_TYPE__OR_float_FOR_half_OR_bfloat16_INPUTS);
+}
+
+template <typename Kernel>
+void assertKernel() {
+  SDPA_STATIC_ASSERT(kernel::IsKernel<Kernel>, THE_FIRST_ARGUMENT_MUST_BE_sdpa_kernel_Tiled_OR_sdpa_kernel_Naive);
 }
 
 /// The checks every single-head entry point makes before computing anything.
@@ -72,48 +103,99 @@ void checkForward(const char* where, Index qRows, Index qCols, Index kRows, Inde
   mask.check(where, qRows, kRows);
 }
 
+/// The naive kernel on one head: half-precision inputs are converted to float first.
+template <typename Out, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                  const Scale& scale, const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink,
+                  ForwardResult<Out>& result) {
+  using Acc = Accumulator<typename DQ::Scalar>;
+  typename forward_naive_impl<Acc>::Scratch scratch;
+  if (sink) {
+    sink->start(1, q.rows());
+    sink->inputs(0) =
+        headInputs(q.template cast<Acc>(), k.template cast<Acc>(), double(scale.template value<Acc>(q.cols())));
+  }
+  Matrix<Acc> out(q.rows(), v.cols());
+  forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), scale, mask,
+                               dropout, 0, 0, 0, out, result.logSumExp, scratch, sink ? &sink->rows(0) : nullptr);
+  result.output = out.template cast<Out>();
+}
+
 }  // namespace internal
 
 /**
  * \brief Forward pass returning the output (n_q x d_v) and the per-row logSumExp (n_q).
  *
- * \param q     queries, n_q x d_k
+ * \tparam OutScalar the output type: by default the input type; `float` for half or bfloat16
+ *         inputs (`sdpa::attentionForward<float>(q, k, v)`).
+ * \param kernel optional first argument, `sdpa::kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param q     queries, n_q x d_k (float, double, Eigen::half or Eigen::bfloat16)
  * \param k     keys, n_k x d_k
  * \param v     values, n_k x d_v
  * \param scale a policy of sdpa::scale (default InvSqrtDk: tau = 1/sqrt(d_k))
  * \param mask  a mask of sdpa::mask (default None)
  * \param dropout attention dropout for training (default off)
- * \param sink  if not null, receives the per-row diagnostics of this pass (diagnostics.hpp)
+ * \param sink  if not null, receives the per-row diagnostics of this pass (diagnostics.hpp);
+ *              the rows need whole logit rows, so a sink runs the naive kernel.
  * \throws std::invalid_argument naming the shapes if q/k columns, k/v rows or the mask disagree.
  */
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-ForwardResult<typename DQ::Scalar> attentionForward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                    const Eigen::MatrixBase<DV>& v, const Scale& scale = Scale(),
-                                                    const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
-                                                    DiagnosticsSink* sink = nullptr) {
-  internal::assertScalars<DQ, DK>();
-  internal::assertScalars<DQ, DV>();
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
+    DiagnosticsSink* sink = nullptr) {
+  internal::assertForwardScalars<DQ, DK, DV>();
   internal::assertPolicies<Scale, Mask>();
-  using Scalar = typename DQ::Scalar;
+  using In = typename DQ::Scalar;
+  using Out = internal::OutputScalar<OutScalar, In>;
+  internal::assertOutputScalar<Out, In>();
   internal::checkForward("sdpa::attentionForward", q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
   dropout.check("sdpa::attentionForward");
-  ForwardResult<Scalar> result{internal::Matrix<Scalar>(q.rows(), v.cols()), internal::Vector<Scalar>(q.rows())};
-  typename internal::forward_naive_impl<Scalar>::Scratch scratch;
-  if (sink) {
-    sink->start(1, q.rows());
-    sink->inputs(0) = internal::headInputs(q, k, double(scale.template value<Scalar>(q.cols())));
+  ForwardResult<Out> result{internal::Matrix<Out>(q.rows(), v.cols()),
+                            internal::Vector<internal::Accumulator<In>>(q.rows())};
+  if constexpr (std::is_same_v<Kernel, kernel::Naive>) {
+    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
+  } else if (sink) {
+    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
+  } else {
+    internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
+                                    internal::HeadDims{q.cols(), v.cols()}, scale, mask, dropout, result.output,
+                                    result.logSumExp);
   }
-  internal::forward_naive_impl<Scalar>::run(q, k, v, scale, mask, dropout, 0, 0, 0, result.output, result.logSumExp,
-                                            scratch, sink ? &sink->rows(0) : nullptr);
   return result;
 }
 
+/// \brief attentionForward with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
+    DiagnosticsSink* sink = nullptr) {
+  return attentionForward<OutScalar>(kernel::Tiled{}, q, k, v, scale, mask, dropout, sink);
+}
+
 /// \brief softmax(tau * q k^T + mask) v: the output only, n_q x d_v. See attentionForward.
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                const Eigen::MatrixBase<DV>& v, const Scale& scale = Scale(),
-                                                const Mask& mask = Mask()) {
-  return attentionForward(q, k, v, scale, mask).output;
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attention(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return attentionForward<OutScalar>(kern, q, k, v, scale, mask).output;
+}
+
+/// \brief attention with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attention(const Eigen::MatrixBase<DQ>& q,
+                                                                                   const Eigen::MatrixBase<DK>& k,
+                                                                                   const Eigen::MatrixBase<DV>& v,
+                                                                                   const Scale& scale = Scale(),
+                                                                                   const Mask& mask = Mask()) {
+  return attentionForward<OutScalar>(kernel::Tiled{}, q, k, v, scale, mask).output;
 }
 
 /// \brief Scaled dot-product attention, softmax(q k^T / sqrt(d_k) + mask) v (seed C1).

@@ -22,68 +22,22 @@
 #include "forward.hpp"
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
+#include "layout.hpp"
 #include "mask.hpp"
 #include "scale.hpp"
 
 namespace sdpa {
 
-/// \brief The head layout: H query heads sharing H_kv key/value heads. `Heads{8}` is MHA,
-/// `Heads{8, 2}` GQA, `Heads{8, 1}` MQA.
-struct Heads {
-  Index query;
-  Index keyValue;
-
-  explicit Heads(Index h) : query(h), keyValue(h) {}
-  Heads(Index h, Index hKv) : query(h), keyValue(hKv) {}
-  /// Query heads per kv head.
-  Index groupSize() const { return query / keyValue; }
-};
-
 /// \brief Multi-head forward result: output n_q x (H d_v), logSumExp n_q x H (column h = head h).
 template <typename Scalar_>
 struct MultiHeadForwardResult {
   using Scalar = Scalar_;
+  using AccScalar = internal::Accumulator<Scalar>;
   internal::Matrix<Scalar> output;
-  internal::Matrix<Scalar> logSumExp;
-};
-
-/**
- * \brief Sequences of different lengths in one packed matrix, FlashAttention's varlen layout:
- * item b owns query rows [qOffsets[b], qOffsets[b+1]) and key/value rows [kOffsets[b],
- * kOffsets[b+1]). Optional valid lengths mark padding inside an item: keys at or beyond
- * keyLengths[b] are hidden, query rows at or beyond queryLengths[b] give output 0.
- */
-struct BatchLayout {
-  std::vector<Index> qOffsets;      ///< B + 1 cumulative query row offsets, from 0
-  std::vector<Index> kOffsets;      ///< B + 1 cumulative key row offsets, from 0
-  std::vector<Index> queryLengths;  ///< empty, or B valid query lengths
-  std::vector<Index> keyLengths;    ///< empty, or B valid key lengths
-
-  /// FlashAttention's `cu_seqlens_q`, `cu_seqlens_k`.
-  static BatchLayout varlen(std::vector<Index> cuSeqlensQ, std::vector<Index> cuSeqlensK) {
-    return BatchLayout{std::move(cuSeqlensQ), std::move(cuSeqlensK), {}, {}};
-  }
-  /// B items padded to n_q query and n_k key rows each, with their valid lengths (JAX
-  /// `query_seq_lengths`, `key_value_seq_lengths`); an empty list means no padding there.
-  static BatchLayout padded(Index batch, Index nQ, Index nK, std::vector<Index> queryLengths,
-                            std::vector<Index> keyLengths) {
-    BatchLayout l;
-    for (Index b = 0; b <= batch; ++b) {
-      l.qOffsets.push_back(b * nQ);
-      l.kOffsets.push_back(b * nK);
-    }
-    l.queryLengths = std::move(queryLengths);
-    l.keyLengths = std::move(keyLengths);
-    return l;
-  }
-  Index size() const { return qOffsets.empty() ? 0 : Index(qOffsets.size()) - 1; }
+  internal::Matrix<AccScalar> logSumExp;
 };
 
 namespace internal {
-
-struct HeadDims {
-  Index dK, dV;
-};
 
 /// Checks the packed shapes against the head layout and returns each head's d_k and d_v.
 inline HeadDims checkHeads(const char* where, const Heads& heads, Index qRows, Index qCols, Index kRows, Index kCols,
@@ -109,15 +63,6 @@ inline HeadDims checkHeads(const char* where, const Heads& heads, Index qRows, I
   return {dK, vCols / heads.keyValue};
 }
 
-/// The scale policy of query head h: its own entry of a PerHead, or the shared policy.
-template <typename Scale>
-const auto& headScale(const Scale& scale, Index h) {
-  if constexpr (scale::IsPerHead<Scale>)
-    return scale.head(h);
-  else
-    return scale;
-}
-
 template <typename Scale>
 void checkScaleHeads(const char* where, const Scale& scale, Index heads) {
   if constexpr (scale::IsPerHead<Scale>) {
@@ -125,32 +70,6 @@ void checkScaleHeads(const char* where, const Scale& scale, Index heads) {
       throwInvalid(where, "the PerHead scale has " + std::to_string(scale.size()) + " policies for " +
                               std::to_string(heads) + " heads");
   }
-}
-
-/// One (batch item, query head) pair: the unit of parallel work. Rows q0..q0+nQ of q and
-/// k0..k0+nK of k/v belong to the item; kvHead is the k/v column block the query head reads.
-struct ItemHead {
-  Index item, head, kvHead;
-  Index q0, nQ, k0, nK;
-  Index queryLength, keyLength;  ///< valid rows inside the item (padding beyond)
-};
-
-/// Calls f(ItemHead) for every (item, head) pair of a packed batch, items outer.
-template <typename F>
-void forEachItemHead(const BatchLayout& layout, const Heads& heads, F&& f) {
-  for (Index b = 0; b < layout.size(); ++b) {
-    const Index q0 = layout.qOffsets[size_t(b)], nQ = layout.qOffsets[size_t(b) + 1] - q0;
-    const Index k0 = layout.kOffsets[size_t(b)], nK = layout.kOffsets[size_t(b) + 1] - k0;
-    const Index qLen = layout.queryLengths.empty() ? nQ : layout.queryLengths[size_t(b)];
-    const Index kLen = layout.keyLengths.empty() ? nK : layout.keyLengths[size_t(b)];
-    for (Index h = 0; h < heads.query; ++h) f(ItemHead{b, h, h / heads.groupSize(), q0, nQ, k0, nK, qLen, kLen});
-  }
-}
-
-/// The user's mask restricted to the valid rows and keys of a padded item.
-template <typename Mask>
-auto itemMask(const Mask& mask, const ItemHead& u) {
-  return mask::combine(mask, mask::QueryLength{u.queryLength}, mask::KeyLength{u.keyLength});
 }
 
 template <typename Scalar, typename Scale, typename Mask>
@@ -224,54 +143,92 @@ HeadDims checkBatch(const char* where, Index qRows, Index qCols, Index kRows, In
   return dims;
 }
 
-template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-MultiHeadForwardResult<typename DQ::Scalar> batchedForward(const char* where, const Eigen::MatrixBase<DQ>& q,
-                                                           const Eigen::MatrixBase<DK>& k,
-                                                           const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
-                                                           const Heads& heads, const Scale& scale, const Mask& mask,
-                                                           const Dropout& dropout, DiagnosticsSink* sink) {
-  assertScalars<DQ, DK>();
-  assertScalars<DQ, DV>();
+/// The multi-head and batched forward of either kernel (a sink selects the naive one).
+template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                           const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                                           const BatchLayout& layout, const Heads& heads, const Scale& scale,
+                                           const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink) {
+  assertKernel<Kernel>();
+  assertForwardScalars<DQ, DK, DV>();
   assertPolicyTypes<Scale, Mask>();
-  using Scalar = typename DQ::Scalar;
+  using In = typename DQ::Scalar;
+  using Acc = Accumulator<In>;
+  assertOutputScalar<Out, In>();
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
-  MultiHeadForwardResult<Scalar> r{Matrix<Scalar>(q.rows(), heads.query * dims.dV),
-                                   Matrix<Scalar>(q.rows(), heads.query)};
-  multiHeadForward<Scalar>(q, k, v, heads, dims, scale, mask, dropout, layout, r.output, r.logSumExp, sink);
+  MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
+  if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
+    if (!sink) {
+      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, scale, mask, dropout, r.output, r.logSumExp);
+      return r;
+    }
+  }
+  if constexpr (std::is_same_v<Out, Acc>) {
+    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, scale,
+                          mask, dropout, layout, r.output, r.logSumExp, sink);
+  } else {
+    Matrix<Acc> out(r.output.rows(), r.output.cols());
+    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, scale,
+                          mask, dropout, layout, out, r.logSumExp, sink);
+    r.output = out.template cast<Out>();
+  }
   return r;
 }
-
-/// The layout of a plain multi-head call: one item spanning every row.
-inline BatchLayout singleItem(Index qRows, Index kRows) { return BatchLayout::varlen({0, qRows}, {0, kRows}); }
 
 }  // namespace internal
 
 /**
  * \brief Multi-head forward over packed inputs (see the file comment for the layout).
  *
+ * \tparam OutScalar as for attentionForward: the input type, or float for half inputs
+ * \param kernel optional first argument, `kernel::Tiled{}` (default) or `kernel::Naive{}`
  * \param heads `Heads{H}` or `Heads{H, H_kv}`
  * \param scale a shared policy (each head still uses its own d_k) or a `scale::PerHead<...>`
  * \param mask  a mask of sdpa::mask; Keep and Bias may be n_q x n_k (all heads) or
  *              (H n_q) x n_k (one per head); Alibi needs H slopes.
  * \param dropout attention dropout (default off)
- * \param sink  if not null, receives the per-row diagnostics of every head
+ * \param sink  if not null, receives the per-row diagnostics of every head (naive kernel)
  */
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-MultiHeadForwardResult<typename DQ::Scalar> multiHeadAttentionForward(
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
+    DiagnosticsSink* sink = nullptr) {
+  return internal::batchedForward<internal::OutputScalar<OutScalar, typename DQ::Scalar>>(
+      "sdpa::multiHeadAttention", kern, q, k, v, internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout,
+      sink);
+}
+
+/// \brief multiHeadAttentionForward with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
     const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
     DiagnosticsSink* sink = nullptr) {
-  return internal::batchedForward("sdpa::multiHeadAttention", q, k, v, internal::singleItem(q.rows(), k.rows()), heads,
-                                  scale, mask, dropout, sink);
+  return multiHeadAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, heads, scale, mask, dropout, sink);
 }
 
 /// \brief Multi-head attention, the output only: n_q x (H d_v).
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> multiHeadAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                         const Eigen::MatrixBase<DV>& v, const Heads& heads,
-                                                         const Scale& scale = Scale(), const Mask& mask = Mask()) {
-  return multiHeadAttentionForward(q, k, v, heads, scale, mask).output;
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return multiHeadAttentionForward<OutScalar>(kern, q, k, v, heads, scale, mask).output;
+}
+
+/// \brief multiHeadAttention with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
+    const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return multiHeadAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, heads, scale, mask).output;
 }
 
 /**
@@ -280,21 +237,44 @@ internal::Matrix<typename DQ::Scalar> multiHeadAttention(const Eigen::MatrixBase
  * applies to each item in its own coordinates (a causal mask aligns per item); a Keep or Bias
  * matrix must fit every item. Output (sum n_q) x (H d_v), logSumExp (sum n_q) x H.
  */
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-MultiHeadForwardResult<typename DQ::Scalar> batchedAttentionForward(
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
+    const Dropout& dropout = Dropout(), DiagnosticsSink* sink = nullptr) {
+  return internal::batchedForward<internal::OutputScalar<OutScalar, typename DQ::Scalar>>(
+      "sdpa::batchedAttention", kern, q, k, v, layout, heads, scale, mask, dropout, sink);
+}
+
+/// \brief batchedAttentionForward with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
     const Dropout& dropout = Dropout(), DiagnosticsSink* sink = nullptr) {
-  return internal::batchedForward("sdpa::batchedAttention", q, k, v, layout, heads, scale, mask, dropout, sink);
+  return batchedAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, layout, heads, scale, mask, dropout, sink);
 }
 
 /// \brief Batched attention, the output only: (sum n_q) x (H d_v).
-template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> batchedAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                       const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
-                                                       const Heads& heads, const Scale& scale = Scale(),
-                                                       const Mask& mask = Mask()) {
-  return batchedAttentionForward(q, k, v, layout, heads, scale, mask).output;
+template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
+    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return batchedAttentionForward<OutScalar>(kern, q, k, v, layout, heads, scale, mask).output;
+}
+
+/// \brief batchedAttention with the default kernel, kernel::Tiled.
+template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None>
+internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
+  return batchedAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, layout, heads, scale, mask).output;
 }
 
 }  // namespace sdpa

@@ -10,6 +10,8 @@
 #include "diagnostics_sink.hpp"
 #include "dropout.hpp"
 #include "forward.hpp"
+#include "kernel.hpp"
+#include "layout.hpp"
 #include "mask.hpp"
 #include "multihead.hpp"
 #include "scale.hpp"

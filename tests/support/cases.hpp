@@ -25,6 +25,17 @@ inline std::vector<Shape> standardShapes() {
   return {{1, 1, 1, 1}, {3, 5, 4, 2}, {7, 3, 5, 6}, {17, 33, 13, 9}, {64, 64, 64, 64}, {31, 100, 20, 7}};
 }
 
+/// Calls f(kernel, name) for the reference kernel, the tiled kernel with its own block sizes, and
+/// tiled kernels with tiny blocks, so that small shapes still cross many tile boundaries (and
+/// masks produce hidden, visible and partial tiles).
+template <typename F>
+void forEachKernel(F&& f) {
+  f(sdpa::kernel::Naive{}, "Naive");
+  f(sdpa::kernel::Tiled{}, "Tiled{}");
+  f(sdpa::kernel::Tiled{2, 3}, "Tiled{2, 3}");
+  f(sdpa::kernel::Tiled{5, 16}, "Tiled{5, 16}");
+}
+
 /// Calls f(policy, tau, name) for every scale policy, with tau computed independently of the
 /// library in long double.
 template <typename T, typename F>
@@ -42,10 +53,11 @@ void forEachPolicy(Index dK, F&& f) {
  * Runs the library forward pass and checks it against the long-double oracle with the
  * FlashAttention rule (output and logSumExp); fully masked rows must give exactly 0 and -inf.
  */
-template <typename T, typename Scale, typename Mask>
-void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale, const Mask& mask,
-                  long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
-  const auto fwd = sdpa::attentionForward(q, k, v, scale, mask);
+template <typename T, typename Kernel, typename Scale, typename Mask>
+void checkForwardWith(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
+                      const Mask& mask, long double tau, const VisibleFn& visible, const BiasFn& bias,
+                      long double softcap = 0) {
+  const auto fwd = sdpa::attentionForward(kernel, q, k, v, scale, mask);
   const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
   const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias, softcap);
   REQUIRE(fwd.output.rows() == q.rows());
@@ -75,6 +87,13 @@ void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale
     }
   }
   CHECK(fwd.output.allFinite());
+}
+
+/// checkForwardWith the default kernel.
+template <typename T, typename Scale, typename Mask>
+void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale, const Mask& mask,
+                  long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
+  checkForwardWith<T>(sdpa::kernel::Tiled{}, q, k, v, scale, mask, tau, visible, bias, softcap);
 }
 
 }  // namespace sdpa_test

@@ -40,8 +40,10 @@ void addProductSkippingZeros(const Eigen::MatrixBase<DA>& a, const Eigen::Matrix
 
 /// Replaces P by P * M / (1 - p), M the dropout keep-mask of head `head`; (row0, col0) is the
 /// global position of P(0, 0), so that every batch item draws its own mask.
-template <typename Scalar>
-void applyDropout(RowMajorMatrix<Scalar>& p, const Dropout& dropout, Index head, Index row0, Index col0) {
+template <typename Derived>
+void applyDropout(const Eigen::MatrixBase<Derived>& p_, const Dropout& dropout, Index head, Index row0, Index col0) {
+  using Scalar = typename Derived::Scalar;
+  auto& p = const_cast<Eigen::MatrixBase<Derived>&>(p_);  // Eigen's idiom to write into blocks
   const Scalar keepScale = Scalar(dropout.keepScale());
   for (Index i = 0; i < p.rows(); ++i)
     for (Index j = 0; j < p.cols(); ++j)

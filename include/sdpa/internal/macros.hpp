@@ -15,9 +15,18 @@ using Index = Eigen::Index;
 
 namespace internal {
 
-/// Scalars the kernels compute in. Half precision arrives with the fast kernels.
+/// Scalars the kernels compute in.
 template <typename T>
 inline constexpr bool IsSupportedScalar = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+/// Half-precision storage types the tiled forward reads (computing in float).
+template <typename T>
+inline constexpr bool IsHalfScalar = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
+/// The type logits, softmax and sums are computed in: float for half, bfloat16 and float
+/// inputs, double for double.
+template <typename T>
+using Accumulator = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 template <typename Scalar>
 using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;

@@ -1,0 +1,126 @@
+// Shared by the benchmarks: FLOP counters, thread control, and the ceilings every kernel is
+// compared with in the same run (SGEMM of the same FLOP count, memory read bandwidth).
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <utility>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef SDPA_BENCH_OPENBLAS
+#include <cblas.h>
+#endif
+
+namespace sdpa_bench {
+
+using Index = Eigen::Index;
+
+/// Sets the OpenMP thread count for this benchmark (the kernels read it through Eigen::nbThreads).
+inline void setThreads(int n) {
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#else
+  (void)n;
+#endif
+}
+
+/// Median of `reps` timings of f() in seconds, after one warm-up call.
+template <typename F>
+double medianSeconds(F&& f, int reps = 7) {
+  f();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto a = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
+  return t[size_t(reps / 2)];
+}
+
+/// GFLOP/s of an SGEMM with the FLOP count of a forward pass of n_q x n_k, head size d:
+/// (n_q x 2d) * (2d x n_k) is 2 n_q n_k 2d = 4 n_q n_k d FLOPs. Eigen's, on one thread, measured
+/// once per shape and run and cached, so that each kernel reports its ratio to this ceiling.
+inline double eigenSgemmGflops(Index nQ, Index nK, Index d) {
+  static std::map<std::vector<Index>, double> cache;
+  const std::vector<Index> key{nQ, nK, d};
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const Eigen::Index rows = std::min<Index>(nQ, 4096), cols = std::min<Index>(nK, 4096);  // same rate, bounded memory
+  const Eigen::MatrixXf a = Eigen::MatrixXf::Random(rows, 2 * d), b = Eigen::MatrixXf::Random(2 * d, cols);
+  Eigen::MatrixXf c(rows, cols);
+  const int before = Eigen::nbThreads();
+  Eigen::setNbThreads(1);
+  const double s = medianSeconds([&] { c.noalias() = a * b; });
+  Eigen::setNbThreads(before);
+  benchmark::DoNotOptimize(c.data());
+  return cache[key] = 4.0 * double(rows) * double(cols) * double(d) / s * 1e-9;
+}
+
+/// The same with OpenBLAS's cblas_sgemm (one thread), or 0 when the benchmarks were built
+/// without it. Unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE when comparing: they pin OpenBLAS
+/// to its AVX2 kernels on this machine.
+inline double openblasSgemmGflops(Index nQ, Index nK, Index d) {
+#ifdef SDPA_BENCH_OPENBLAS
+  static std::map<std::vector<Index>, double> cache;
+  const std::vector<Index> key{nQ, nK, d};
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const Eigen::Index rows = std::min<Index>(nQ, 4096), cols = std::min<Index>(nK, 4096);
+  const Eigen::MatrixXf a = Eigen::MatrixXf::Random(rows, 2 * d), b = Eigen::MatrixXf::Random(2 * d, cols);
+  Eigen::MatrixXf c(rows, cols);
+  openblas_set_num_threads(1);
+  const double s = medianSeconds([&] {
+    cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, int(rows), int(cols), int(2 * d), 1.0f, a.data(), int(rows),
+                b.data(), int(2 * d), 0.0f, c.data(), int(rows));
+  });
+  benchmark::DoNotOptimize(c.data());
+  return cache[key] = 4.0 * double(rows) * double(cols) * double(d) / s * 1e-9;
+#else
+  (void)nQ, (void)nK, (void)d;
+  return 0;
+#endif
+}
+
+/// Wall time of a benchmark's timing loop, to turn its rate into ratios inside the benchmark.
+class LoopTimer {
+ public:
+  LoopTimer() : m_start(std::chrono::steady_clock::now()) {}
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - m_start).count(); }
+
+ private:
+  std::chrono::steady_clock::time_point m_start;
+};
+
+/**
+ * Reports GFLOPS for `flops` per iteration and the ratio of that rate to the one-thread SGEMM
+ * ceilings of the same FLOP count measured in this run: "xSGEMM" (Eigen's) and
+ * "xSGEMM_openblas". `seconds` is the loop's wall time from a LoopTimer started before it.
+ */
+inline void reportFlops(benchmark::State& state, double flops, double seconds, Index nQ, Index nK, Index d) {
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  if (state.iterations() == 0 || seconds <= 0) return;
+  const double gflops = flops * double(state.iterations()) / seconds * 1e-9;
+  state.counters["xSGEMM"] = gflops / eigenSgemmGflops(nQ, nK, d);
+  if (const double ob = openblasSgemmGflops(nQ, nK, d); ob > 0) state.counters["xSGEMM_openblas"] = gflops / ob;
+}
+
+/// Single-thread memory read bandwidth in GB/s: a vectorised sum over 512 MiB, far beyond the
+/// caches, median of 5 passes. Measured once per run.
+inline double readBandwidthGBs() {
+  static double cached = 0;
+  if (cached > 0) return cached;
+  const Index n = Index(512) << 20 >> 2;  // floats
+  Eigen::VectorXf x = Eigen::VectorXf::Ones(n);
+  float sink = 0;
+  const double s = medianSeconds([&] { sink += x.sum(); }, 5);
+  benchmark::DoNotOptimize(sink);
+  return cached = double(n) * sizeof(float) / s * 1e-9;
+}
+
+}  // namespace sdpa_bench

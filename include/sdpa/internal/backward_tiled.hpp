@@ -1,0 +1,216 @@
+#ifndef SDPA_INTERNAL_BACKWARD_TILED_HPP
+#define SDPA_INTERNAL_BACKWARD_TILED_HPP
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../dropout.hpp"
+#include "../kernel.hpp"
+#include "../layout.hpp"
+#include "../mask.hpp"
+#include "forward_naive.hpp"
+#include "forward_tiled.hpp"
+#include "macros.hpp"
+#include "parallel.hpp"
+
+namespace sdpa::internal {
+
+/**
+ * The tiled backward (FlashAttention-2's): each work unit owns one block of keys of one kv head
+ * and walks the query blocks of every query head that reads it, recomputing each tile's P from
+ * the saved logSumExp, so no n_q x n_k buffer exists. dk and dv of the block are written by
+ * their unit alone; dq rows receive a term from every key block, so each thread accumulates dq
+ * (and dtau, and a shared bias gradient) in its own buffer, summed after the loop.
+ */
+template <typename Scalar>
+struct backward_tiled_impl {
+  using TileMap = Eigen::Map<RowMajorMatrix<Scalar>>;
+  static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+
+  struct Scratch {
+    Buffer<Scalar> x, p, pDropped, dp;
+  };
+  static Scratch& threadScratch() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
+
+  /// Everything a tile needs besides its position. q, k, v, o, dO are the head's blocks.
+  template <typename Scale, typename Mask>
+  struct Head {
+    ConstRef<Scalar> q, k, v, o, dO;
+    Eigen::Ref<const Vector<Scalar>> lse, rowD;  // n_q each; rowD_i = dO_i . O_i
+    const Scale& scale;
+    const Mask& mask;
+    Index head, row0, col0;  // query head; position of the item in the packed batch (dropout)
+    Index dbiasRow0;         // row of the head's (0, 0) in the bias gradient
+  };
+
+  /**
+   * One tile: query rows [i0, i0 + bq) x keys [j0, j0 + bk). Accumulates dq rows (bq x d_k),
+   * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient at dbias(i, j);
+   * returns the tile's dL/dtau. Each step quotes the forward line it differentiates.
+   */
+  template <typename Scale, typename Mask, typename DQ, typename DK, typename DV>
+  static Scalar tile(const Head<Scale, Mask>& h, const Dropout& dropout, Scalar tau, Scalar cap, Index i0, Index bq,
+                     Index j0, Index bk, mask::Tile kind, const Eigen::MatrixBase<DQ>& dq,
+                     const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
+                     Scratch& sc) {
+    const Index nQ = h.q.rows(), nK = h.k.rows();
+    const auto qi = h.q.middleRows(i0, bq);
+    const auto kj = h.k.middleRows(j0, bk);
+    const auto vj = h.v.middleRows(j0, bk);
+    const auto dOi = h.dO.middleRows(i0, bq);
+
+    // forward: X = q k^T;  Y = tau X;  L = mask(softcap(Y))
+    TileMap x(sc.x.get(bq * bk), bq, bk), p(sc.p.get(bq * bk), bq, bk), dp(sc.dp.get(bq * bk), bq, bk);
+    x.noalias() = qi * kj.transpose();
+    if constexpr (Scale::IsIdentity)
+      p = x;
+    else
+      p = tau * x;
+    if (kind == mask::Tile::Partial) h.mask.apply(p, i0, j0, nQ, nK, h.head);
+
+    // forward: P = exp(L - lse); hidden entries and fully masked rows (lse = -inf) are exactly 0.
+    for (Index r = 0; r < bq; ++r) {
+      const Scalar l = h.lse(i0 + r);
+      auto row = p.row(r).array();
+      if (l == -kInf)
+        row.setZero();
+      else
+        row = (row == -kInf).select(Scalar(0), (row - l).exp());
+    }
+
+    // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO
+    const Scalar* pUsed = p.data();
+    if (dropout.enabled()) {
+      TileMap pd(sc.pDropped.get(bq * bk), bq, bk);
+      pd = p;
+      applyDropout(pd, dropout, h.head, h.row0 + i0, h.col0 + j0);
+      pUsed = pd.data();
+    }
+    addProductSkippingZeros(Eigen::Map<const RowMajorMatrix<Scalar>>(pUsed, bq, bk).transpose(), dOi, dv);
+
+    // forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
+    dp.noalias() = dOi * vj.transpose();
+    if (dropout.enabled()) {
+      const Scalar keepScale = Scalar(dropout.keepScale());
+      for (Index r = 0; r < bq; ++r)
+        for (Index c = 0; c < bk; ++c)
+          dp(r, c) = dropout.keep(h.row0 + i0 + r, h.col0 + j0 + c, h.head) ? dp(r, c) * keepScale : Scalar(0);
+    }
+
+    // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = dO_i . O_i. Where P is 0 (hidden)
+    // dL is 0 even if dP is NaN there.
+    for (Index r = 0; r < bq; ++r) {
+      const Scalar d = h.rowD(i0 + r);
+      auto pr = p.row(r).array();
+      auto g = dp.row(r).array();
+      g = (pr == Scalar(0)).select(Scalar(0), pr * (g - d));
+    }
+    // forward: L = softcap(Y) + bias   =>   dbias = dL
+    if (dbias) dbias->block(h.dbiasRow0 + i0, j0, bq, bk) += dp;
+
+    // forward: softcap(Y) = c tanh(Y / c)   =>   dY = dL (1 - tanh^2(Y / c))
+    if (cap > 0) {
+      auto t = ((tau / cap) * x.array()).tanh();
+      dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * (Scalar(1) - t * t)).matrix();
+    }
+    // forward: Y = tau X   =>   dtau = sum dY * X,  dX = tau dY  (X may be NaN where dY is 0)
+    const Scalar dtau = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * x.array()).sum();
+    if constexpr (!Scale::IsIdentity) dp *= tau;
+
+    // forward: X = q k^T   =>   dq += dX k,  dk += dX^T q
+    addProductSkippingZeros(dp, kj, dq);
+    addProductSkippingZeros(dp.transpose(), qi, dk);
+    return dtau;
+  }
+};
+
+/**
+ * The tiled backward of a packed batch (the layout of multihead.hpp). Accumulates into dq, dk,
+ * dv (zeroed by the caller, packed like q, k, v), dscale (H) and, if not null, dbias.
+ */
+template <typename Scalar, typename Scale, typename Mask>
+void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
+                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
+                   const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
+                   const Scale& scale, const Mask& mask, const Dropout& dropout, Matrix<Scalar>& dq, Matrix<Scalar>& dk,
+                   Matrix<Scalar>& dv, Vector<Scalar>& dscale, Matrix<Scalar>* dbias) {
+  using Impl = backward_tiled_impl<Scalar>;
+  const TileSizes tile = tileSizes(kern, dims.dK, dims.dV);
+  const Index H = heads.query, group = heads.groupSize();
+  std::vector<ItemHead> pairs;  // item-major: pairs[b * H + h]
+  forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
+
+  // D_i = dO_i . O_i of every row and head (n_q x H), once.
+  Matrix<Scalar> rowD(q.rows(), H);
+  for (Index h = 0; h < H; ++h)
+    rowD.col(h) =
+        (dO.middleCols(h * dims.dV, dims.dV).array() * o.middleCols(h * dims.dV, dims.dV).array()).rowwise().sum();
+
+  struct Unit {
+    Index item, kvHead, j0, cols;
+  };
+  std::vector<Unit> units;
+  for (Index b = 0; b < layout.size(); ++b) {
+    const Index nK = layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)];
+    for (Index g = 0; g < heads.keyValue; ++g)
+      for (Index j0 = 0; j0 < nK; j0 += tile.k) units.push_back({b, g, j0, std::min(tile.k, nK - j0)});
+  }
+  const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
+  // Per-thread dq, dscale and bias gradient when threaded; thread 0 writes the caller's.
+  std::vector<Matrix<Scalar>> dqT(size_t(std::max(0, threads - 1)), Matrix<Scalar>::Zero(dq.rows(), dq.cols()));
+  std::vector<Matrix<Scalar>> dbiasT(dbias ? size_t(std::max(0, threads - 1)) : 0);
+  for (auto& m : dbiasT) m.setZero(dbias->rows(), dbias->cols());
+  std::vector<Vector<Scalar>> dscaleT(size_t(std::max(1, threads)), Vector<Scalar>::Zero(H));
+
+  parallelFor(Index(units.size()), threads, [&](Index w) {
+    const Unit& un = units[size_t(w)];
+    const int t = threadIndex();
+    Matrix<Scalar>& dqDst = t == 0 ? dq : dqT[size_t(t - 1)];
+    Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &dbiasT[size_t(t - 1)]) : nullptr;
+    auto& sc = Impl::threadScratch();
+    for (Index h = un.kvHead * group; h < (un.kvHead + 1) * group; ++h) {
+      const ItemHead& u = pairs[size_t(un.item * H + h)];
+      const auto m = itemMask(mask, u);
+      const auto& sh = headScale(scale, u.head);
+      const Scalar tau = sh.template value<Scalar>(dims.dK);
+      const Scalar cap = Scalar(mask::internal::softcapOf(mask));
+      const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
+      const typename Impl::template Head<std::decay_t<decltype(sh)>, std::decay_t<decltype(m)>> hd{
+          q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+          k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
+          o.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+          dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+          lse.col(u.head).segment(u.q0, u.nQ),
+          rowD.col(u.head).segment(u.q0, u.nQ),
+          sh,
+          m,
+          u.head,
+          u.q0,
+          u.k0,
+          dbiasRow0};
+      auto dqHead = dqDst.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
+      auto dkBlock = dk.block(u.k0 + un.j0, u.kvHead * dims.dK, un.cols, dims.dK);
+      auto dvBlock = dv.block(u.k0 + un.j0, u.kvHead * dims.dV, un.cols, dims.dV);
+      for (Index i0 = 0; i0 < u.nQ; i0 += tile.q) {
+        const Index rows = std::min(tile.q, u.nQ - i0);
+        const mask::Tile kind = m.classify(i0, rows, un.j0, un.cols, u.nQ, u.nK, u.head);
+        if (kind == mask::Tile::Hidden) continue;
+        dscaleT[size_t(t)](u.head) += Impl::tile(hd, dropout, tau, cap, i0, rows, un.j0, un.cols, kind,
+                                                 dqHead.middleRows(i0, rows), dkBlock, dvBlock, dbDst, sc);
+      }
+    }
+  });
+  for (const auto& m : dqT) dq += m;
+  for (const auto& m : dbiasT) *dbias += m;
+  for (const auto& s : dscaleT) dscale += s;
+}
+
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_BACKWARD_TILED_HPP

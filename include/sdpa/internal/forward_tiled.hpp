@@ -1,0 +1,194 @@
+#ifndef SDPA_INTERNAL_FORWARD_TILED_HPP
+#define SDPA_INTERNAL_FORWARD_TILED_HPP
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "../dropout.hpp"
+#include "../kernel.hpp"
+#include "../layout.hpp"
+#include "../mask.hpp"
+#include "../scale.hpp"
+#include "forward_naive.hpp"
+#include "macros.hpp"
+#include "online_softmax.hpp"
+#include "parallel.hpp"
+
+namespace sdpa::internal {
+
+/// Query rows and keys per tile.
+struct TileSizes {
+  Index q, k;
+};
+
+/**
+ * Block sizes measured on a 2-core AVX-512 machine (docs/PERFORMANCE.md, bench/bench_forward):
+ * the logits tile (b_q x b_k floats) and the k, v tiles stay in L2 while the b_q x d_v
+ * accumulator stays in L1/L2. An explicit kernel::Tiled{bq, bk} overrides either.
+ */
+inline TileSizes tileSizes(const kernel::Tiled& kernel, Index dK, Index dV) {
+  const Index d = std::max(dK, dV);
+  TileSizes t{d <= 32 ? 128 : 64, d <= 64 ? 256 : 128};
+  if (kernel.blockQ > 0) t.q = kernel.blockQ;
+  if (kernel.blockK > 0) t.k = kernel.blockK;
+  return t;
+}
+
+/// What is known about one (batch item, kv head) before its tiles are computed.
+struct KeyFlags {
+  bool kFinite = true;  ///< false: a q.k may be -inf or NaN anywhere, so every tile is masked
+  bool vFinite = true;  ///< false: P v must not read value rows whose weight is 0
+};
+
+/**
+ * The tiled forward of one head: query blocks stream key blocks through an OnlineSoftmax.
+ * `In` is the storage type of q, k, v (float, double, Eigen::half, Eigen::bfloat16); logits,
+ * softmax and accumulation are in Accumulator<In>.
+ */
+template <typename In>
+struct forward_tiled_impl {
+  using Acc = Accumulator<In>;
+  using TileMap = Eigen::Map<RowMajorMatrix<Acc>>;
+
+  /// Per-thread scratch, allocated on first use and reused by every later call on the thread.
+  struct Scratch {
+    Buffer<Acc> qs, s, k, v;
+    OnlineSoftmax<Acc> state;
+  };
+  static Scratch& threadScratch() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
+
+  /// Rows [j0, j0 + rows) of a k or v head block, in Acc: the block itself, or a converted copy
+  /// of half-precision storage (converted once per tile, read b_q times by the products).
+  template <typename Block>
+  static auto rowsAsAcc(const Block& x, Index j0, Index rows, Buffer<Acc>& buf) {
+    if constexpr (std::is_same_v<typename Block::Scalar, Acc>) {
+      return x.middleRows(j0, rows);
+    } else {
+      Eigen::Map<Matrix<Acc>> m(buf.get(rows * x.cols()), rows, x.cols());
+      m = x.middleRows(j0, rows).template cast<Acc>();
+      return m;
+    }
+  }
+
+  /**
+   * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v) against keys
+   * [kBegin, kEnd) in tiles of bk: leaves the unnormalised state in `state`. (row0, col0) place
+   * the head in the packed batch for the dropout counters.
+   */
+  template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+  static void stream(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                     const Scale& scale, const Mask& mask, const Dropout& dropout, const KeyFlags& flags, Index head,
+                     Index row0, Index col0, Index i0, Index bq, Index kBegin, Index kEnd, Index bk,
+                     OnlineSoftmax<Acc>& state, Scratch& sc) {
+    const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
+    state.start(bq, dV);
+    // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
+    // costs one b_q x d_k multiply and None none.
+    TileMap qs(sc.qs.get(bq * dK), bq, dK);
+    if constexpr (Scale::IsIdentity)
+      qs = q.middleRows(i0, bq).template cast<Acc>();
+    else
+      qs = scale.template value<Acc>(dK) * q.middleRows(i0, bq).template cast<Acc>();
+    const bool finite = flags.kFinite && qs.allFinite();
+    for (Index j0 = kBegin; j0 < kEnd; j0 += bk) {
+      const Index cols = std::min(bk, kEnd - j0);
+      const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
+      if (t == mask::Tile::Hidden) continue;
+      TileMap s(sc.s.get(bq * bk), bq, cols);
+      const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
+      s.noalias() = qs * kt.transpose();  // b_q x b_k logits
+      if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
+      if (t == mask::Tile::Partial || !finite)
+        state.template absorb<true>(s);
+      else
+        state.template absorb<false>(s);
+      if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
+      const auto vt = rowsAsAcc(v.derived(), j0, cols, sc.v);
+      if (flags.vFinite)
+        state.acc().noalias() += s * vt;
+      else
+        addProductSkippingZeros(s, vt, state.acc());
+    }
+  }
+};
+
+/**
+ * The tiled forward of a packed batch (layout and heads as in multihead.hpp): out is
+ * (sum n_q) x (H d_v), lse (sum n_q) x H. Work units are (item, head, query block); when they
+ * are fewer than the threads and the keys are many (decoding: n_q small, n_k large), each unit
+ * is also split over key ranges whose states are merged by their logSumExp.
+ */
+template <typename In, typename Out, typename Scale, typename Mask>
+void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const ConstRef<In>& k, const ConstRef<In>& v,
+                  const BatchLayout& layout, const Heads& heads, const HeadDims& dims, const Scale& scale,
+                  const Mask& mask, const Dropout& dropout, Eigen::Ref<Matrix<Out>> out,
+                  Eigen::Ref<Matrix<Accumulator<In>>> lse) {
+  using Impl = forward_tiled_impl<In>;
+  using Acc = Accumulator<In>;
+  const TileSizes tile = tileSizes(kernel, dims.dK, dims.dV);
+
+  std::vector<ItemHead> pairs;
+  forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
+  // Finiteness of each (item, kv head) once, not once per query block.
+  std::vector<KeyFlags> flags(size_t(layout.size() * heads.keyValue));
+  for (const ItemHead& u : pairs)
+    if (u.head % heads.groupSize() == 0)
+      flags[size_t(u.item * heads.keyValue + u.kvHead)] = {
+          k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK).allFinite(),
+          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV).allFinite()};
+
+  struct Unit {
+    Index pair, i0, rows;
+  };
+  std::vector<Unit> units;
+  Index maxKeys = 0;
+  for (Index p = 0; p < Index(pairs.size()); ++p) {
+    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
+      units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
+    maxKeys = std::max(maxKeys, pairs[size_t(p)].nK);
+  }
+  const int threads = maxThreads();
+  // Key splits per unit: enough units for every thread, each split at least 4 key tiles long.
+  const Index splits =
+      Index(units.size()) >= threads ? 1 : std::max<Index>(1, std::min<Index>(threads, maxKeys / (4 * tile.k)));
+
+  const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc) {
+    const ItemHead& u = pairs[size_t(w.pair)];
+    // Split s covers whole key tiles [s * per, (s + 1) * per) of the item.
+    const Index tilesK = (u.nK + tile.k - 1) / tile.k, per = (tilesK + splits - 1) / splits;
+    const Index kBegin = std::min(u.nK, split * per * tile.k), kEnd = std::min(u.nK, (split + 1) * per * tile.k);
+    Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+                 v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
+                 flags[size_t(u.item * heads.keyValue + u.kvHead)], u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd,
+                 tile.k, state, sc);
+  };
+  const auto finish = [&](const Unit& w, OnlineSoftmax<Acc>& state) {
+    const ItemHead& u = pairs[size_t(w.pair)];
+    state.finish(out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV),
+                 lse.col(u.head).segment(u.q0 + w.i0, w.rows));
+  };
+
+  if (splits == 1) {
+    parallelFor(Index(units.size()), threads, [&](Index i) {
+      auto& sc = Impl::threadScratch();
+      slice(units[size_t(i)], 0, sc.state, sc);
+      finish(units[size_t(i)], sc.state);
+    });
+    return;
+  }
+  std::vector<OnlineSoftmax<Acc>> parts(units.size() * size_t(splits));
+  parallelFor(Index(parts.size()), threads,
+              [&](Index i) { slice(units[size_t(i / splits)], i % splits, parts[size_t(i)], Impl::threadScratch()); });
+  for (size_t w = 0; w < units.size(); ++w) {
+    for (Index s = 1; s < splits; ++s) parts[w * size_t(splits)].merge(parts[w * size_t(splits) + size_t(s)]);
+    finish(units[w], parts[w * size_t(splits)]);
+  }
+}
+
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_FORWARD_TILED_HPP

@@ -1,0 +1,108 @@
+/**
+ * \file sdpa/layout.hpp
+ * \brief How heads and batch items are packed into one matrix: `Heads` and `BatchLayout`.
+ */
+#ifndef SDPA_LAYOUT_HPP
+#define SDPA_LAYOUT_HPP
+
+#include <utility>
+#include <vector>
+
+#include "internal/macros.hpp"
+#include "mask.hpp"
+#include "scale.hpp"
+
+namespace sdpa {
+
+/// \brief The head layout: H query heads sharing H_kv key/value heads. `Heads{8}` is MHA,
+/// `Heads{8, 2}` GQA, `Heads{8, 1}` MQA.
+struct Heads {
+  Index query;
+  Index keyValue;
+
+  explicit Heads(Index h) : query(h), keyValue(h) {}
+  Heads(Index h, Index hKv) : query(h), keyValue(hKv) {}
+  /// Query heads per kv head.
+  Index groupSize() const { return query / keyValue; }
+};
+
+/**
+ * \brief Sequences of different lengths in one packed matrix, FlashAttention's varlen layout:
+ * item b owns query rows [qOffsets[b], qOffsets[b+1]) and key/value rows [kOffsets[b],
+ * kOffsets[b+1]). Optional valid lengths mark padding inside an item: keys at or beyond
+ * keyLengths[b] are hidden, query rows at or beyond queryLengths[b] give output 0.
+ */
+struct BatchLayout {
+  std::vector<Index> qOffsets;      ///< B + 1 cumulative query row offsets, from 0
+  std::vector<Index> kOffsets;      ///< B + 1 cumulative key row offsets, from 0
+  std::vector<Index> queryLengths;  ///< empty, or B valid query lengths
+  std::vector<Index> keyLengths;    ///< empty, or B valid key lengths
+
+  /// FlashAttention's `cu_seqlens_q`, `cu_seqlens_k`.
+  static BatchLayout varlen(std::vector<Index> cuSeqlensQ, std::vector<Index> cuSeqlensK) {
+    return BatchLayout{std::move(cuSeqlensQ), std::move(cuSeqlensK), {}, {}};
+  }
+  /// B items padded to n_q query and n_k key rows each, with their valid lengths (JAX
+  /// `query_seq_lengths`, `key_value_seq_lengths`); an empty list means no padding there.
+  static BatchLayout padded(Index batch, Index nQ, Index nK, std::vector<Index> queryLengths,
+                            std::vector<Index> keyLengths) {
+    BatchLayout l;
+    for (Index b = 0; b <= batch; ++b) {
+      l.qOffsets.push_back(b * nQ);
+      l.kOffsets.push_back(b * nK);
+    }
+    l.queryLengths = std::move(queryLengths);
+    l.keyLengths = std::move(keyLengths);
+    return l;
+  }
+  Index size() const { return qOffsets.empty() ? 0 : Index(qOffsets.size()) - 1; }
+};
+
+namespace internal {
+
+struct HeadDims {
+  Index dK, dV;
+};
+
+/// The scale policy of query head h: its own entry of a PerHead, or the shared policy.
+template <typename Scale>
+const auto& headScale(const Scale& scale, Index h) {
+  if constexpr (scale::IsPerHead<Scale>)
+    return scale.head(h);
+  else
+    return scale;
+}
+
+/// One (batch item, query head) pair: the unit of parallel work. Rows q0..q0+nQ of q and
+/// k0..k0+nK of k/v belong to the item; kvHead is the k/v column block the query head reads.
+struct ItemHead {
+  Index item, head, kvHead;
+  Index q0, nQ, k0, nK;
+  Index queryLength, keyLength;  ///< valid rows inside the item (padding beyond)
+};
+
+/// Calls f(ItemHead) for every (item, head) pair of a packed batch, items outer.
+template <typename F>
+void forEachItemHead(const BatchLayout& layout, const Heads& heads, F&& f) {
+  for (Index b = 0; b < layout.size(); ++b) {
+    const Index q0 = layout.qOffsets[size_t(b)], nQ = layout.qOffsets[size_t(b) + 1] - q0;
+    const Index k0 = layout.kOffsets[size_t(b)], nK = layout.kOffsets[size_t(b) + 1] - k0;
+    const Index qLen = layout.queryLengths.empty() ? nQ : layout.queryLengths[size_t(b)];
+    const Index kLen = layout.keyLengths.empty() ? nK : layout.keyLengths[size_t(b)];
+    for (Index h = 0; h < heads.query; ++h) f(ItemHead{b, h, h / heads.groupSize(), q0, nQ, k0, nK, qLen, kLen});
+  }
+}
+
+/// The user's mask restricted to the valid rows and keys of a padded item.
+template <typename Mask>
+auto itemMask(const Mask& mask, const ItemHead& u) {
+  return mask::combine(mask, mask::QueryLength{u.queryLength}, mask::KeyLength{u.keyLength});
+}
+
+/// The layout of a plain multi-head call: one item spanning every row.
+inline BatchLayout singleItem(Index qRows, Index kRows) { return BatchLayout::varlen({0, qRows}, {0, kRows}); }
+
+}  // namespace internal
+}  // namespace sdpa
+
+#endif  // SDPA_LAYOUT_HPP

@@ -1,0 +1,333 @@
+// The tiled kernel against the long-double oracle where the small shapes of test_forward and
+// test_masks do not reach: head sizes up to 256, shapes that are no multiple of any block,
+// decoding against a long key range, thread counts, half-precision inputs and non-finite values.
+#include <sdpa/sdpa.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "support/cases.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using namespace sdpa_test;
+using sdpa::Index;
+using sdpa::mask::Align;
+namespace mask = sdpa::mask;
+namespace kernel = sdpa::kernel;
+
+namespace {
+
+/// Runs f() with n OpenMP threads (a no-op without OpenMP), restoring the previous count.
+template <typename F>
+void withThreads(int n, F&& f) {
+#ifdef _OPENMP
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(n);
+  f();
+  omp_set_num_threads(before);
+#else
+  (void)n;
+  f();
+#endif
+}
+
+template <typename H>
+Mat<H> toHalf(const Mat<float>& x) {
+  return x.cast<H>();
+}
+template <typename H>
+Mat<double> fromHalf(const Mat<H>& x) {
+  return x.template cast<float>().template cast<double>();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("tiled forward matches the fp64 reference for d_k up to 256 and awkward n  [seed C1]",
+                   "[tiled][forward]", float, double) {
+  using T = TestType;
+  std::uint64_t seed = 900;
+  const std::vector<std::pair<Index, Index>> sizes = {{1, 300}, {67, 45}, {130, 257}};
+  for (const Index dK : {1, 3, 16, 64, 100, 256})
+    for (const auto& [nQ, nK] : sizes) {
+      const Index dV = dK == 100 ? 37 : dK;
+      INFO("n_q " << nQ << ", n_k " << nK << ", d_k " << dK << ", d_v " << dV);
+      const Mat<T> q = randn<T>(nQ, dK, ++seed), k = randn<T>(nK, dK, ++seed), v = randn<T>(nK, dV, ++seed);
+      const long double tau = 1.0L / std::sqrt((long double)dK);
+      const Index L = nQ, S = nK;
+      for (const kernel::Tiled kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
+        INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+        checkForwardWith<T>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+        checkForwardWith<T>(kern, q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
+        checkForwardWith<T>(
+            kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+            [=](Index i, Index j) { return j <= i + S - L; }, noBias());
+        checkForwardWith<T>(
+            kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+            [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
+        checkForwardWith<T>(
+            kern, q, k, v, sdpa::scale::InvSqrtDk{},
+            mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}),
+            tau, [](Index i, Index j) { return j <= i; },
+            [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+      }
+    }
+}
+
+TEMPLATE_TEST_CASE("decoding: a few queries against a long key range, split over key ranges", "[tiled][decode]", float,
+                   double) {
+  using T = TestType;
+  for (const Index nQ : {1, 3}) {
+    const Index nK = 20011, dK = 128;
+    INFO("n_q " << nQ << ", n_k " << nK);
+    const Mat<T> q = randn<T>(nQ, dK, 1, 3.0), k = randn<T>(nK, dK, 2), v = randn<T>(nK, dK, 3);
+    const long double tau = 1.0L / std::sqrt((long double)dK);
+    checkForwardWith<T>(kernel::Tiled{}, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+    // A KV cache filled to 15000 of its 20011 rows; the rest is stale (NaN) and must not be read.
+    Mat<T> kStale = k, vStale = v;
+    kStale.bottomRows(nK - 15000).setConstant(std::numeric_limits<T>::quiet_NaN());
+    vStale.bottomRows(nK - 15000).setConstant(std::numeric_limits<T>::quiet_NaN());
+    checkForwardWith<T>(
+        kernel::Tiled{}, q, kStale, vStale, sdpa::scale::InvSqrtDk{}, mask::KeyLength{15000}, tau,
+        [](Index, Index j) { return j < 15000; }, noBias());
+  }
+}
+
+TEST_CASE("1 and 2 threads give bitwise identical forward results", "[tiled][threads]") {
+  // Each output row is computed by one work unit whatever the thread count, and decoding splits
+  // the keys by the shape, not by the threads, so the results are bitwise equal.
+  const Index H = 4, Hkv = 2, dK = 32;
+  const Mat<float> q = randn<float>(300, H * dK, 11), k = randn<float>(2000, Hkv * dK, 12),
+                   v = randn<float>(2000, Hkv * dK, 13);
+  const auto layout = sdpa::BatchLayout::varlen({0, 100, 300}, {0, 900, 2000});
+  const auto m = mask::Causal{Align::LowerRight};
+  sdpa::MultiHeadForwardResult<float> one, two, decodeOne, decodeTwo;
+  withThreads(1, [&] {
+    one = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
+    decodeOne = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+  });
+  withThreads(2, [&] {
+    two = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
+    decodeTwo = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+  });
+  CHECK(one.output == two.output);
+  CHECK(one.logSumExp == two.logSumExp);
+  CHECK(decodeOne.output == decodeTwo.output);
+  CHECK(decodeOne.logSumExp == decodeTwo.logSumExp);
+}
+
+TEMPLATE_TEST_CASE("tiled and naive kernels agree on batched GQA with dropout", "[tiled][multihead]", float, double) {
+  using T = TestType;
+  const Index H = 4, Hkv = 2, dK = 8, dV = 5;
+  const Mat<T> q = randn<T>(40, H * dK, 21), k = randn<T>(70, Hkv * dK, 22), v = randn<T>(70, Hkv * dV, 23);
+  const auto layout = sdpa::BatchLayout::varlen({0, 15, 40}, {0, 33, 70});
+  const sdpa::Dropout dropout{0.3, 77};
+  const auto m = mask::combine(mask::Causal{Align::LowerRight}, mask::Alibi::standard(H, Align::LowerRight));
+  const auto naive = sdpa::batchedAttentionForward(kernel::Naive{}, q, k, v, layout, sdpa::Heads{H, Hkv},
+                                                   sdpa::scale::InvSqrtDk{}, m, dropout);
+  // The double-precision naive kernel is the reference of the float runs.
+  const auto gold = sdpa::batchedAttentionForward(kernel::Naive{}, q.template cast<double>(), k.template cast<double>(),
+                                                  v.template cast<double>(), layout, sdpa::Heads{H, Hkv},
+                                                  sdpa::scale::InvSqrtDk{}, m, dropout);
+  for (const kernel::Tiled kern : {kernel::Tiled{}, kernel::Tiled{4, 8}}) {
+    INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+    const auto tiled =
+        sdpa::batchedAttentionForward(kern, q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m, dropout);
+    const double errNaive = maxAbsDiff(naive.output, gold.output), errTiled = maxAbsDiff(tiled.output, gold.output);
+    INFO("tiled error " << errTiled << ", naive error " << errNaive);
+    CHECK(errTiled <= errorBound<T>(errNaive, gold.output.cwiseAbs().maxCoeff()));
+    CHECK(maxAbsDiff(tiled.logSumExp, gold.logSumExp) <=
+          errorBound<T>(maxAbsDiff(naive.logSumExp, gold.logSumExp), gold.logSumExp.cwiseAbs().maxCoeff()));
+  }
+}
+
+TEST_CASE("NaN and +inf propagate to the affected rows only, across tiles", "[tiled][nan]") {
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const Mat<float> q = randn<float>(20, 8, 31), k = randn<float>(50, 8, 32), v = randn<float>(50, 4, 33);
+  const auto m = mask::Causal{Align::LowerRight};  // query i sees keys j <= i + 30
+  const kernel::Tiled kern{3, 7};
+  const auto clean = sdpa::attentionForward(kern, q, k, v, sdpa::scale::InvSqrtDk{}, m);
+  const auto naiveClean = sdpa::attentionForward(kernel::Naive{}, q, k, v, sdpa::scale::InvSqrtDk{}, m);
+  CHECK(maxAbsDiff(clean.output, naiveClean.output) <= 1e-6);
+
+  Mat<float> qBad = q, kBad = k, vBad = v;
+  qBad(4, 2) = nan;   // row 4 only
+  kBad(40, 0) = nan;  // key 40: seen by queries i >= 10
+  vBad(49, 1) = inf;  // value 49: seen by query 19 only
+  const auto dirty = sdpa::attentionForward(kern, qBad, kBad, vBad, sdpa::scale::InvSqrtDk{}, m);
+  const auto naiveDirty = sdpa::attentionForward(kernel::Naive{}, qBad, kBad, vBad, sdpa::scale::InvSqrtDk{}, m);
+  for (Index i = 0; i < q.rows(); ++i) {
+    INFO("row " << i);
+    const bool poisoned = i == 4 || i >= 10;
+    CHECK(std::isnan(dirty.logSumExp(i)) == poisoned);
+    CHECK(dirty.output.row(i).array().isNaN().all() == poisoned);
+    CHECK(std::isnan(naiveDirty.logSumExp(i)) == poisoned);
+    // Unaffected rows keep their value; the non-finite v switches P v to a zero-skipping loop,
+    // whose summation order differs from the GEMM's by rounding.
+    if (!poisoned) CHECK(maxAbsDiff(dirty.output.row(i), clean.output.row(i)) <= 1e-6);
+  }
+
+  Mat<float> bias = Mat<float>::Zero(20, 50);
+  bias(2, 5) = inf;  // a visible +inf logit: no finite softmax for row 2
+  const auto capped = sdpa::attentionForward(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias});
+  for (Index i = 0; i < q.rows(); ++i) CHECK(std::isnan(capped.logSumExp(i)) == (i == 2));
+}
+
+TEMPLATE_TEST_CASE("half and bfloat16 inputs: fp32 accumulation, bounded by the storage epsilon", "[tiled][half]",
+                   Eigen::half, Eigen::bfloat16) {
+  using H = TestType;
+  // The output is within the float rule of a float run on the same (exactly converted) inputs,
+  // plus one rounding to H: |out_H - gold| <= 2 err_float + 8 eps_f max|gold| + (eps_H / 2) max|gold|.
+  // eps = 2^-10 (half), 2^-7 (bfloat16); not NumTraits<half>::epsilon(), which is 2^-13 in Eigen 3.4.
+  const double epsH = std::is_same_v<H, Eigen::half> ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+  const Index nQ = 70, nK = 300, dK = 64;
+  const Mat<H> q = toHalf<H>(randn<float>(nQ, dK, 41)), k = toHalf<H>(randn<float>(nK, dK, 42)),
+               v = toHalf<H>(randn<float>(nK, dK, 43));
+  const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
+  const long double tau = 0.125L;
+  const auto gold = referenceAttention<long double>(qd, kd, vd, tau, [](Index i, Index j) { return j <= i + 230; });
+  const auto naive = referenceAttention<float>(qd, kd, vd, tau, [](Index i, Index j) { return j <= i + 230; });
+  const Mat<double> goldOut = gold.output.template cast<double>();
+  const double scale = goldOut.cwiseAbs().maxCoeff();
+  const double errFloat = maxAbsDiff(naive.output, goldOut);
+
+  const auto inH = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight});
+  STATIC_REQUIRE(std::is_same_v<typename decltype(inH.output)::Scalar, H>);
+  STATIC_REQUIRE(std::is_same_v<typename decltype(inH.logSumExp)::Scalar, float>);
+  const double errH = maxAbsDiff(fromHalf(inH.output), goldOut);
+  INFO("error of the " << sizeof(H) * 8 << "-bit output " << errH << ", float naive error " << errFloat);
+  CHECK(errH <= errorBound<float>(errFloat, scale) + 0.5 * epsH * scale);
+
+  const auto inFloat =
+      sdpa::attentionForward<float>(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight});
+  STATIC_REQUIRE(std::is_same_v<typename decltype(inFloat.output)::Scalar, float>);
+  CHECK(maxAbsDiff(inFloat.output, goldOut) <= errorBound<float>(errFloat, scale));
+  CHECK(maxAbsDiff(inFloat.logSumExp, gold.logSumExp.template cast<double>()) <=
+        errorBound<float>(maxAbsDiff(naive.logSumExp, gold.logSumExp.template cast<double>()),
+                          gold.logSumExp.cwiseAbs().template cast<double>().maxCoeff()));
+
+  const auto naiveKernel = sdpa::attentionForward<float>(kernel::Naive{}, q, k, v, sdpa::scale::InvSqrtDk{},
+                                                         mask::Causal{Align::LowerRight});
+  CHECK(maxAbsDiff(naiveKernel.output, goldOut) <= errorBound<float>(errFloat, scale));
+
+  const auto multi = sdpa::multiHeadAttentionForward<float>(q, k, v, sdpa::Heads{2}, sdpa::scale::InvSqrtDk{});
+  const auto multiGold =
+      sdpa::multiHeadAttentionForward(kernel::Naive{}, qd, kd, vd, sdpa::Heads{2}, sdpa::scale::InvSqrtDk{});
+  CHECK(maxAbsDiff(multi.output, multiGold.output) <= 1e-5);
+}
+
+TEST_CASE("unscaled fp16 inputs whose fp16 logits overflow still give the finite result  [seed C13][seed C15]",
+          "[tiled][half]") {
+  // Entries of standard deviation 60 and d_k = 64: q.k has standard deviation 60 * 60 * 8 = 28800
+  // and reaches beyond fp16's 65504. The logits are computed in float, so the output is the
+  // (nearly one-hot) softmax of the reference.
+  const Index nQ = 16, nK = 40, dK = 64;
+  const Mat<Eigen::half> q = (60.0f * randn<float>(nQ, dK, 51)).cast<Eigen::half>(),
+                         k = (60.0f * randn<float>(nK, dK, 52)).cast<Eigen::half>(),
+                         v = randn<float>(nK, 8, 53).cast<Eigen::half>();
+  const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
+  const auto logits = (qd * kd.transpose()).cwiseAbs();
+  REQUIRE(logits.maxCoeff() > 65504.0);
+  const auto out = sdpa::attentionForward<float>(q, k, v, sdpa::scale::None{});
+  const auto gold = referenceAttention<long double>(qd, kd, vd, 1.0L);
+  CHECK(out.output.allFinite());
+  CHECK(out.logSumExp.allFinite());
+  CHECK(maxAbsDiff(out.output, gold.output.cast<double>()) <= 1e-5);
+  const auto outH = sdpa::attentionForward(q, k, v, sdpa::scale::None{});
+  CHECK(fromHalf(outH.output).allFinite());
+}
+
+namespace {
+
+/// Largest |a - b| over every gradient of two backward results.
+template <typename GA, typename GB>
+double gradientDistance(const GA& a, const GB& b) {
+  double e = std::max(
+      {maxAbsDiff(a.dq, b.dq), maxAbsDiff(a.dk, b.dk), maxAbsDiff(a.dv, b.dv), maxAbsDiff(a.dscale, b.dscale)});
+  if (a.dbias.size() || b.dbias.size()) e = std::max(e, maxAbsDiff(a.dbias, b.dbias));
+  return e;
+}
+template <typename G>
+double gradientScale(const G& g) {
+  double s = double(std::max({g.dq.cwiseAbs().maxCoeff(), g.dk.cwiseAbs().maxCoeff(), g.dv.cwiseAbs().maxCoeff(),
+                              g.dscale.cwiseAbs().maxCoeff()}));
+  if (g.dbias.size()) s = std::max(s, double(g.dbias.cwiseAbs().maxCoeff()));
+  return s;
+}
+
+/// Tiled backward (several block sizes) against the naive backward in double, for one mask, on a
+/// batched GQA layout with dropout: the float error is within the 2x rule of the naive float run.
+template <typename T, typename Mask>
+void checkBackwardKernels(const Mask& m, const char* name, std::uint64_t seed) {
+  INFO("mask " << name);
+  const Index H = 4, Hkv = 2, dK = 12, dV = 7;
+  const auto layout = sdpa::BatchLayout::varlen({0, 23, 60}, {0, 41, 80});
+  const Mat<T> q = randn<T>(60, H * dK, seed), k = randn<T>(80, Hkv * dK, seed + 1),
+               v = randn<T>(80, Hkv * dV, seed + 2), dO = randn<T>(60, H * dV, seed + 3);
+  const sdpa::Dropout dropout{0.2, seed};
+  const sdpa::Heads heads{H, Hkv};
+  const sdpa::scale::InvSqrtDk scale;
+  const auto fwd = sdpa::batchedAttentionForward(kernel::Naive{}, q, k, v, layout, heads, scale, m, dropout);
+  const auto naive =
+      sdpa::batchedAttentionBackward(kernel::Naive{}, q, k, v, fwd, dO, layout, heads, scale, m, dropout);
+  const Mat<double> qd = q.template cast<double>(), kd = k.template cast<double>(), vd = v.template cast<double>(),
+                    dOd = dO.template cast<double>();
+  const auto fwdD = sdpa::batchedAttentionForward(kernel::Naive{}, qd, kd, vd, layout, heads, scale, m, dropout);
+  const auto gold =
+      sdpa::batchedAttentionBackward(kernel::Naive{}, qd, kd, vd, fwdD, dOd, layout, heads, scale, m, dropout);
+  const double naiveErr = gradientDistance(naive, gold), gs = gradientScale(gold);
+  for (const kernel::Tiled kern : {kernel::Tiled{}, kernel::Tiled{3, 5}, kernel::Tiled{16, 7}}) {
+    INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+    const auto tiled = sdpa::batchedAttentionBackward(kern, q, k, v, fwd, dO, layout, heads, scale, m, dropout);
+    const double err = gradientDistance(tiled, gold);
+    INFO("tiled gradient error " << err << ", naive " << naiveErr << ", scale " << gs);
+    CHECK(err <= errorBound<T>(naiveErr, gs));
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("tiled backward matches the naive backward for every mask, GQA, batches and dropout",
+                   "[tiled][backward]", float, double) {
+  using T = TestType;
+  const Mat<T> bias = randn<T>(4 * 23, 41, 5);  // per head: (H n_q) x n_k, one item of 23 x 41 only
+  checkBackwardKernels<T>(mask::None{}, "None", 100);
+  checkBackwardKernels<T>(mask::Causal{Align::LowerRight}, "Causal LowerRight", 200);
+  checkBackwardKernels<T>(mask::SlidingWindow{6, 2, Align::UpperLeft}, "SlidingWindow{6, 2}", 300);
+  checkBackwardKernels<T>(
+      mask::combine(mask::Softcap{2.0}, mask::Causal{Align::UpperLeft}, mask::Alibi::standard(4, Align::UpperLeft)),
+      "Softcap + Causal + ALiBi", 400);
+  checkBackwardKernels<T>(mask::combine(mask::KeyLength{30}, mask::QueryLength{20}), "lengths", 500);
+}
+
+TEMPLATE_TEST_CASE("tiled backward: bias gradients, learnable scales, 1 and 2 threads", "[tiled][backward]", float,
+                   double) {
+  using T = TestType;
+  const Index H = 2, dK = 16, nQ = 70, nK = 90;
+  const Mat<T> q = randn<T>(nQ, H * dK, 61), k = randn<T>(nK, H * dK, 62), v = randn<T>(nK, H * dK, 63),
+               dO = randn<T>(nQ, H * dK, 64), bias = randn<T>(H * nQ, nK, 65);
+  const auto m = mask::combine(mask::Causal{Align::LowerRight}, mask::Bias{bias});
+  sdpa::scale::PerHead<sdpa::scale::Learnable<T>> naiveScale(
+      {sdpa::scale::Learnable<T>{T(0.2)}, sdpa::scale::Learnable<T>{T(0.3)}}),
+      tiledScale = naiveScale;
+  const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H}, naiveScale, m);
+  const auto naive = sdpa::multiHeadAttentionBackward(kernel::Naive{}, q, k, v, fwd, dO, sdpa::Heads{H}, naiveScale, m);
+  sdpa::MultiHeadGradients<T> one, two;
+  withThreads(1, [&] {
+    one = sdpa::multiHeadAttentionBackward(kernel::Tiled{8, 16}, q, k, v, fwd, dO, sdpa::Heads{H}, tiledScale, m);
+  });
+  withThreads(2, [&] {
+    two = sdpa::multiHeadAttentionBackward(kernel::Tiled{8, 16}, q, k, v, fwd, dO, sdpa::Heads{H}, tiledScale, m);
+  });
+  const double tol = 64 * std::numeric_limits<T>::epsilon() * gradientScale(naive);
+  CHECK(one.dbias.rows() == H * nQ);
+  CHECK(gradientDistance(one, naive) <= tol);
+  // Two threads sum dq, dtau and dbias in per-thread buffers: equal up to rounding, not bitwise.
+  CHECK(gradientDistance(two, one) <= tol);
+  // Each learnable head accumulated dL/dtau once per call: naive once, tiled twice.
+  for (Index h = 0; h < H; ++h)
+    CHECK(std::abs(tiledScale.head(h).grad() - 2 * naiveScale.head(h).grad()) <=
+          tol * std::max<double>(1, std::abs(naiveScale.head(h).grad())));
+}
