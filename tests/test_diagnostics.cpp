@@ -104,7 +104,8 @@ TEST_CASE("the streaming sink gives the same figures as the materialised path", 
   const auto m = mask::combine(mask::Causal{Align::UpperLeft}, mask::Softcap{6.0});
   sdpa::DiagnosticsSink sink;
   const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, 1}, scale::None{}, m, {}, &sink);
-  CHECK(fwd.output == sdpa::multiHeadAttention(sdpa::kernel::Naive{}, q, k, v, sdpa::Heads{H, 1}, scale::None{}, m));  // sink is passive
+  CHECK(fwd.output == sdpa::multiHeadAttention(sdpa::kernel::Naive{}, q, k, v, sdpa::Heads{H, 1}, scale::None{},
+                                               m));  // sink is passive
   const sdpa::Diagnostics streamed = sdpa::diagnostics(sink);
   const sdpa::Diagnostics direct = sdpa::diagnose(q, k, sdpa::Heads{H, 1}, scale::None{}, m);
   REQUIRE(streamed.heads.size() == size_t(H));
