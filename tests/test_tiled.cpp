@@ -283,7 +283,12 @@ void checkBackwardKernels(const Mask& m, const char* name, std::uint64_t seed) {
     const auto tiled = sdpa::batchedAttentionBackward(kern, q, k, v, fwd, dO, layout, heads, scale, m, dropout);
     const double err = gradientDistance(tiled, gold);
     INFO("tiled gradient error " << err << ", naive " << naiveErr << ", scale " << gs);
-    CHECK(err <= errorBound<T>(naiveErr, gs));
+    // In double the naive double kernel is the gold itself (no higher-precision backward exists;
+    // test_backward checks double gradients against finite differences): both kernels' rounding
+    // over sums of n_k = 41 and n_q = 37 terms stays within 64 ulps of the gradient scale.
+    const double bound =
+        std::is_same_v<T, double> ? 64 * std::numeric_limits<double>::epsilon() * gs : errorBound<T>(naiveErr, gs);
+    CHECK(err <= bound);
   }
 }
 

@@ -13,6 +13,7 @@
 #include "forward_naive.hpp"
 #include "forward_tiled.hpp"
 #include "macros.hpp"
+#include "online_softmax.hpp"
 #include "parallel.hpp"
 
 namespace sdpa::internal {
@@ -30,68 +31,79 @@ struct backward_tiled_impl {
   static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
 
   struct Scratch {
-    Buffer<Scalar> x, p, pDropped, dp;
+    Buffer<Scalar> x, y, p, pDropped, dp, g;
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
     return scratch;
   }
 
-  /// Everything a tile needs besides its position. q, k, v, o, dO are the head's blocks.
+  /// Everything a tile needs besides its position. q, qs = tau q, k, v, o, dO are the head's
+  /// blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no zero-skipping).
   template <typename Scale, typename Mask>
   struct Head {
-    ConstRef<Scalar> q, k, v, o, dO;
+    ConstRef<Scalar> q, qs, k, v, dO;
     Eigen::Ref<const Vector<Scalar>> lse, rowD;  // n_q each; rowD_i = dO_i . O_i
-    const Scale& scale;
     const Mask& mask;
+    Scalar tau, cap;         // the head's scale; the softcap, 0 for none
     Index head, row0, col0;  // query head; position of the item in the packed batch (dropout)
     Index dbiasRow0;         // row of the head's (0, 0) in the bias gradient
+    bool finite;
   };
+
+  /// out += a b, skipping the rows of b whose weight is 0 unless every input is finite.
+  template <typename DA, typename DB, typename DOut>
+  static void addProduct(bool finite, const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
+                         const Eigen::MatrixBase<DOut>& out_) {
+    auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
+    if (finite)
+      out.noalias() += a * b;
+    else
+      addProductSkippingZeros(a, b, out);
+  }
 
   /**
    * One tile: query rows [i0, i0 + bq) x keys [j0, j0 + bk). Accumulates dq rows (bq x d_k),
-   * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient at dbias(i, j);
-   * returns the tile's dL/dtau. Each step quotes the forward line it differentiates.
+   * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient; returns the tile's
+   * dL/dtau. Each step quotes the forward line it differentiates.
    */
   template <typename Scale, typename Mask, typename DQ, typename DK, typename DV>
-  static Scalar tile(const Head<Scale, Mask>& h, const Dropout& dropout, Scalar tau, Scalar cap, Index i0, Index bq,
-                     Index j0, Index bk, mask::Tile kind, const Eigen::MatrixBase<DQ>& dq,
-                     const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
-                     Scratch& sc) {
-    const Index nQ = h.q.rows(), nK = h.k.rows();
+  static Scalar tile(const Head<Scale, Mask>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
+                     mask::Tile kind, const Eigen::MatrixBase<DQ>& dq_, const Eigen::MatrixBase<DK>& dk,
+                     const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias, Scratch& sc) {
+    auto& dq = const_cast<Eigen::MatrixBase<DQ>&>(dq_);
+    const Index nQ = h.q.rows(), nK = h.k.rows(), dK = h.q.cols();
     const auto qi = h.q.middleRows(i0, bq);
+    const auto qsi = h.qs.middleRows(i0, bq);
     const auto kj = h.k.middleRows(j0, bk);
     const auto vj = h.v.middleRows(j0, bk);
     const auto dOi = h.dO.middleRows(i0, bq);
 
-    // forward: X = q k^T;  Y = tau X;  L = mask(softcap(Y))
+    // forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y))
     TileMap x(sc.x.get(bq * bk), bq, bk), p(sc.p.get(bq * bk), bq, bk), dp(sc.dp.get(bq * bk), bq, bk);
-    x.noalias() = qi * kj.transpose();
-    if constexpr (Scale::IsIdentity)
-      p = x;
-    else
-      p = tau * x;
-    if (kind == mask::Tile::Partial) h.mask.apply(p, i0, j0, nQ, nK, h.head);
+    x.noalias() = qsi * kj.transpose();
+    TileMap y(sc.y.get(h.cap > 0 ? bq * bk : 0), h.cap > 0 ? bq : 0, bk);
+    if (h.cap > 0) y = x;  // the softcap's derivative needs Y
+    if (kind == mask::Tile::Partial) h.mask.apply(x, i0, j0, nQ, nK, h.head);
 
     // forward: P = exp(L - lse); hidden entries and fully masked rows (lse = -inf) are exactly 0.
     for (Index r = 0; r < bq; ++r) {
       const Scalar l = h.lse(i0 + r);
-      auto row = p.row(r).array();
       if (l == -kInf)
-        row.setZero();
+        p.row(r).setZero();
       else
-        row = (row == -kInf).select(Scalar(0), (row - l).exp());
+        p.row(r).array() = expHidingMinusInf(x.row(r).array() - l);
     }
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO
-    const Scalar* pUsed = p.data();
     if (dropout.enabled()) {
       TileMap pd(sc.pDropped.get(bq * bk), bq, bk);
       pd = p;
       applyDropout(pd, dropout, h.head, h.row0 + i0, h.col0 + j0);
-      pUsed = pd.data();
+      addProductSkippingZeros(pd.transpose(), dOi, dv);
+    } else {
+      addProduct(h.finite, p.transpose(), dOi, dv);
     }
-    addProductSkippingZeros(Eigen::Map<const RowMajorMatrix<Scalar>>(pUsed, bq, bk).transpose(), dOi, dv);
 
     // forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
     dp.noalias() = dOi * vj.transpose();
@@ -103,29 +115,36 @@ struct backward_tiled_impl {
     }
 
     // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = dO_i . O_i. Where P is 0 (hidden)
-    // dL is 0 even if dP is NaN there.
+    // dL is 0 even if dP is NaN there (non-finite inputs only: Eigen 3.4's select is scalar).
     for (Index r = 0; r < bq; ++r) {
       const Scalar d = h.rowD(i0 + r);
       auto pr = p.row(r).array();
-      auto g = dp.row(r).array();
-      g = (pr == Scalar(0)).select(Scalar(0), pr * (g - d));
+      if (h.finite)
+        dp.row(r).array() = pr * (dp.row(r).array() - d);
+      else
+        dp.row(r).array() = (pr == Scalar(0)).select(Scalar(0), pr * (dp.row(r).array() - d));
     }
     // forward: L = softcap(Y) + bias   =>   dbias = dL
     if (dbias) dbias->block(h.dbiasRow0 + i0, j0, bq, bk) += dp;
 
     // forward: softcap(Y) = c tanh(Y / c)   =>   dY = dL (1 - tanh^2(Y / c))
-    if (cap > 0) {
-      auto t = ((tau / cap) * x.array()).tanh();
-      dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * (Scalar(1) - t * t)).matrix();
+    if (h.cap > 0) {
+      auto t = (y.array() / h.cap).tanh();
+      if (h.finite)
+        dp.array() *= Scalar(1) - t * t;
+      else
+        dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * (Scalar(1) - t * t)).matrix();
     }
-    // forward: Y = tau X   =>   dtau = sum dY * X,  dX = tau dY  (X may be NaN where dY is 0)
-    const Scalar dtau = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * x.array()).sum();
-    if constexpr (!Scale::IsIdentity) dp *= tau;
 
-    // forward: X = q k^T   =>   dq += dX k,  dk += dX^T q
-    addProductSkippingZeros(dp, kj, dq);
-    addProductSkippingZeros(dp.transpose(), qi, dk);
-    return dtau;
+    // forward: Y = tau X, X = q k^T   =>   dX = tau dY;  dq += dX k = tau (dY k);  dk += dX^T q = dY^T (tau q);
+    // dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i, read off G = dY k at b_q x d_k cost.
+    Eigen::Map<Matrix<Scalar>> g(sc.g.get(bq * dK), bq, dK);
+    g.setZero();
+    addProduct(h.finite, dp, kj, g);
+    dq += h.tau * g;
+    addProduct(h.finite, dp.transpose(), qsi, dk);
+    if (h.finite) return (qi.array() * g.array()).sum();
+    return (g.array() == Scalar(0)).select(Scalar(0), qi.array() * g.array()).sum();
   }
 };
 
@@ -140,16 +159,22 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                    const Scale& scale, const Mask& mask, const Dropout& dropout, Matrix<Scalar>& dq, Matrix<Scalar>& dk,
                    Matrix<Scalar>& dv, Vector<Scalar>& dscale, Matrix<Scalar>* dbias) {
   using Impl = backward_tiled_impl<Scalar>;
-  const TileSizes tile = tileSizes(kern, dims.dK, dims.dV);
+  const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
   const Index H = heads.query, group = heads.groupSize();
   std::vector<ItemHead> pairs;  // item-major: pairs[b * H + h]
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
-  // D_i = dO_i . O_i of every row and head (n_q x H), once.
-  Matrix<Scalar> rowD(q.rows(), H);
-  for (Index h = 0; h < H; ++h)
+  // Once per call: D_i = dO_i . O_i of every row and head (n_q x H); qs = tau_h q (the scale
+  // folded into q, as in the forward); whether every input is finite.
+  Matrix<Scalar> rowD(q.rows(), H), qs(q.rows(), q.cols());
+  for (Index h = 0; h < H; ++h) {
     rowD.col(h) =
         (dO.middleCols(h * dims.dV, dims.dV).array() * o.middleCols(h * dims.dV, dims.dV).array()).rowwise().sum();
+    qs.middleCols(h * dims.dK, dims.dK) =
+        headScale(scale, h).template value<Scalar>(dims.dK) * q.middleCols(h * dims.dK, dims.dK);
+  }
+  const bool finite = q.allFinite() && k.allFinite() && v.allFinite() && dO.allFinite();
+  const Scalar cap = Scalar(mask::internal::softcapOf(mask));
 
   struct Unit {
     Index item, kvHead, j0, cols;
@@ -177,23 +202,23 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       const ItemHead& u = pairs[size_t(un.item * H + h)];
       const auto m = itemMask(mask, u);
       const auto& sh = headScale(scale, u.head);
-      const Scalar tau = sh.template value<Scalar>(dims.dK);
-      const Scalar cap = Scalar(mask::internal::softcapOf(mask));
       const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
       const typename Impl::template Head<std::decay_t<decltype(sh)>, std::decay_t<decltype(m)>> hd{
           q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+          qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
           k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
           v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
-          o.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
           dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
           lse.col(u.head).segment(u.q0, u.nQ),
           rowD.col(u.head).segment(u.q0, u.nQ),
-          sh,
           m,
+          sh.template value<Scalar>(dims.dK),
+          cap,
           u.head,
           u.q0,
           u.k0,
-          dbiasRow0};
+          dbiasRow0,
+          finite};
       auto dqHead = dqDst.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
       auto dkBlock = dk.block(u.k0 + un.j0, u.kvHead * dims.dK, un.cols, dims.dK);
       auto dvBlock = dv.block(u.k0 + un.j0, u.kvHead * dims.dV, un.cols, dims.dV);
@@ -201,7 +226,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
         const Index rows = std::min(tile.q, u.nQ - i0);
         const mask::Tile kind = m.classify(i0, rows, un.j0, un.cols, u.nQ, u.nK, u.head);
         if (kind == mask::Tile::Hidden) continue;
-        dscaleT[size_t(t)](u.head) += Impl::tile(hd, dropout, tau, cap, i0, rows, un.j0, un.cols, kind,
+        dscaleT[size_t(t)](u.head) += Impl::tile(hd, dropout, i0, rows, un.j0, un.cols, kind,
                                                  dqHead.middleRows(i0, rows), dkBlock, dvBlock, dbDst, sc);
       }
     }

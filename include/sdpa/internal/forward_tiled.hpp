@@ -2,8 +2,15 @@
 #define SDPA_INTERNAL_FORWARD_TILED_HPP
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "../dropout.hpp"
 #include "../kernel.hpp"
@@ -17,29 +24,58 @@
 
 namespace sdpa::internal {
 
+/**
+ * dst[i] = float(src[i]) for contiguous half or bfloat16 storage. With F16C (any AVX-512 or AVX2
+ * machine compiled for it) half converts 16 or 8 lanes per instruction; bfloat16 is the upper
+ * half of a float, a shift the compiler vectorises; otherwise Eigen's scalar conversion.
+ */
+inline void halfToFloat(const Eigen::half* src, float* dst, Index n) {
+  Index i = 0;
+#if defined(__F16C__)
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
+  const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
+  for (Index i = 0; i < n; ++i) {
+    const std::uint32_t word = std::uint32_t(bits[i]) << 16;
+    std::memcpy(dst + i, &word, sizeof(float));
+  }
+}
+
 /// Query rows and keys per tile.
 struct TileSizes {
   Index q, k;
 };
 
 /**
- * Block sizes measured on a 2-core AVX-512 machine (docs/PERFORMANCE.md, bench/bench_forward):
- * the logits tile (b_q x b_k floats) and the k, v tiles stay in L2 while the b_q x d_v
- * accumulator stays in L1/L2. An explicit kernel::Tiled{bq, bk} overrides either.
+ * Forward block sizes, measured with bench_forward's BM_ForwardBlocks on a 2-core AVX-512
+ * machine (1 MiB L2 per core) at n = 4096 (docs/PERFORMANCE.md has the table): larger tiles
+ * amortise the packing of Eigen's products, up to a logits tile of 128-256 KiB in L2. An
+ * explicit kernel::Tiled{b_q, b_k} overrides either.
  */
 inline TileSizes tileSizes(const kernel::Tiled& kernel, Index dK, Index dV) {
   const Index d = std::max(dK, dV);
-  TileSizes t{d <= 32 ? 128 : 64, d <= 64 ? 256 : 128};
+  TileSizes t = d <= 32 ? TileSizes{128, 512} : TileSizes{256, 256};
   if (kernel.blockQ > 0) t.q = kernel.blockQ;
   if (kernel.blockK > 0) t.k = kernel.blockK;
   return t;
 }
 
-/// What is known about one (batch item, kv head) before its tiles are computed.
-struct KeyFlags {
-  bool kFinite = true;  ///< false: a q.k may be -inf or NaN anywhere, so every tile is masked
-  bool vFinite = true;  ///< false: P v must not read value rows whose weight is 0
-};
+/// Backward block sizes: five products and three b_q x b_k buffers per tile; measured with
+/// bench_backward's BM_BackwardBlocks at n = 2048, flat within 5% from 64 x 128 up.
+inline TileSizes backwardTileSizes(const kernel::Tiled& kernel, Index, Index) {
+  TileSizes t{128, 256};
+  if (kernel.blockQ > 0) t.q = kernel.blockQ;
+  if (kernel.blockK > 0) t.k = kernel.blockK;
+  return t;
+}
 
 /**
  * The tiled forward of one head: query blocks stream key blocks through an OnlineSoftmax.
@@ -74,6 +110,19 @@ struct forward_tiled_impl {
     }
   }
 
+  /// A column segment of k or v in Acc: itself, or converted into buf. A separate conversion
+  /// pass is vectorised by Eigen 3.4 where a cast inside a larger expression is not (5x slower).
+  template <typename Segment>
+  static auto columnAsAcc(const Segment& x, Buffer<Acc>& buf) {
+    if constexpr (std::is_same_v<typename Segment::Scalar, Acc>) {
+      return x;
+    } else {
+      Eigen::Map<Vector<Acc>> m(buf.get(x.size()), x.size());
+      halfToFloat(x.data(), m.data(), x.size());
+      return m;
+    }
+  }
+
   /**
    * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v) against keys
    * [kBegin, kEnd) in tiles of bk: leaves the unnormalised state in `state`. (row0, col0) place
@@ -81,9 +130,8 @@ struct forward_tiled_impl {
    */
   template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
   static void stream(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                     const Scale& scale, const Mask& mask, const Dropout& dropout, const KeyFlags& flags, Index head,
-                     Index row0, Index col0, Index i0, Index bq, Index kBegin, Index kEnd, Index bk,
-                     OnlineSoftmax<Acc>& state, Scratch& sc) {
+                     const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
+                     Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc) {
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
@@ -93,27 +141,55 @@ struct forward_tiled_impl {
       qs = q.middleRows(i0, bq).template cast<Acc>();
     else
       qs = scale.template value<Acc>(dK) * q.middleRows(i0, bq).template cast<Acc>();
-    const bool finite = flags.kFinite && qs.allFinite();
-    for (Index j0 = kBegin; j0 < kEnd; j0 += bk) {
-      const Index cols = std::min(bk, kEnd - j0);
+    // Decoding (a few query rows): chunks of many keys, the products written column by column
+    // so that each column of k and v streams contiguously from memory (a b_k x d tile would
+    // read d short segments d_k pages apart) and half storage converts in registers.
+    const bool decode = bq <= kDecodeRows;
+    const Index chunk = decode ? kDecodeKeys : bk;
+    for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
+      const Index cols = std::min(chunk, kEnd - j0);
       const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
       if (t == mask::Tile::Hidden) continue;
-      TileMap s(sc.s.get(bq * bk), bq, cols);
-      const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
-      s.noalias() = qs * kt.transpose();  // b_q x b_k logits
+      TileMap s(sc.s.get(bq * chunk), bq, cols);
+      if (decode) {
+        s.setZero();
+        for (Index c = 0; c < dK; ++c) {
+          const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
+          for (Index r = 0; r < bq; ++r) s.row(r) += qs(r, c) * kc.transpose();
+        }
+      } else {
+        const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
+        s.noalias() = qs * kt.transpose();  // b_q x b_k logits
+      }
       if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
-      if (t == mask::Tile::Partial || !finite)
-        state.template absorb<true>(s);
-      else
-        state.template absorb<false>(s);
+      // Masked tiles hold -inf; so may any tile whose k holds inf (q k^T = -inf), which only
+      // the logits themselves reveal without another pass over k: every tile takes the select.
+      state.absorb(s);
       if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
-      const auto vt = rowsAsAcc(v.derived(), j0, cols, sc.v);
-      if (flags.vFinite)
-        state.acc().noalias() += s * vt;
-      else
-        addProductSkippingZeros(s, vt, state.acc());
+      auto acc = state.acc();
+      if (decode) {
+        for (Index c = 0; c < dV; ++c) {
+          const auto vc = columnAsAcc(v.col(c).segment(j0, cols), sc.v).transpose();
+          for (Index r = 0; r < bq; ++r) {
+            Acc dot = (s.row(r).array() * vc.array()).sum();
+            // A value of weight 0 must have no effect even if it is NaN or inf (0 * inf = NaN):
+            // only a non-finite dot pays for the (scalar) select.
+            if (!std::isfinite(dot))
+              dot = (s.row(r).array() == Acc(0)).select(Acc(0), s.row(r).array() * vc.array()).sum();
+            acc(r, c) += dot;
+          }
+        }
+      } else {
+        const auto vt = rowsAsAcc(v.derived(), j0, cols, sc.v);
+        addProductSkippingZeros(s, vt, acc);  // a GEMM unless this v tile holds NaN or inf
+      }
     }
   }
+
+  /// Query blocks of at most this many rows take the decoding path, in chunks of this many keys
+  /// (a logits chunk of kDecodeRows x kDecodeKeys floats stays in L2).
+  static constexpr Index kDecodeRows = 4;
+  static constexpr Index kDecodeKeys = 16384;
 };
 
 /**
@@ -133,14 +209,6 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
 
   std::vector<ItemHead> pairs;
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
-  // Finiteness of each (item, kv head) once, not once per query block.
-  std::vector<KeyFlags> flags(size_t(layout.size() * heads.keyValue));
-  for (const ItemHead& u : pairs)
-    if (u.head % heads.groupSize() == 0)
-      flags[size_t(u.item * heads.keyValue + u.kvHead)] = {
-          k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK).allFinite(),
-          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV).allFinite()};
-
   struct Unit {
     Index pair, i0, rows;
   };
@@ -163,8 +231,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     const Index kBegin = std::min(u.nK, split * per * tile.k), kEnd = std::min(u.nK, (split + 1) * per * tile.k);
     Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
                  v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
-                 flags[size_t(u.item * heads.keyValue + u.kvHead)], u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd,
-                 tile.k, state, sc);
+                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc);
   };
   const auto finish = [&](const Unit& w, OnlineSoftmax<Acc>& state) {
     const ItemHead& u = pairs[size_t(w.pair)];

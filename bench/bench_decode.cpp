@@ -1,0 +1,74 @@
+// Decoding: one query (n_q = 1) against a KV cache of n_k keys. Memory-bound: the kernel reads
+// k and v once, 2 n_k d sizeof(T) bytes. "GBps" is that traffic per second, "xReadBandwidth" its
+// ratio to this machine's single-thread read bandwidth measured in the same run, and for half
+// storage "xFloat" the speed-up over the float run of the same shape in the same run.
+//
+//   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_decode
+#include <sdpa/sdpa.hpp>
+
+#include <map>
+#include <string>
+
+#include "common.hpp"
+
+namespace {
+
+using sdpa_bench::Index;
+
+std::map<std::vector<Index>, double>& floatSeconds() {
+  static std::map<std::vector<Index>, double> m;
+  return m;
+}
+
+/// args: n_k, d, threads. T: the storage type of q, k, v.
+template <typename T>
+void BM_Decode(benchmark::State& state) {
+  const Index nK = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  std::srand(3);
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> q = Eigen::MatrixXf::Random(1, d).cast<T>(),
+                                                         k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
+                                                         v = Eigen::MatrixXf::Random(nK, d).cast<T>();
+  benchmark::DoNotOptimize(sdpa::attentionForward<float>(q, k, v).output.data());
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward<float>(q, k, v);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  if (state.iterations() == 0) return;
+  const double perCall = timer.seconds() / double(state.iterations());
+  const double bytes = 2.0 * double(nK) * double(d) * sizeof(T);
+  state.counters["GBps"] = bytes / perCall * 1e-9;
+  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
+  const std::vector<Index> key{nK, d, state.range(2)};
+  if constexpr (std::is_same_v<T, float>)
+    floatSeconds()[key] = perCall;
+  else if (auto it = floatSeconds().find(key); it != floatSeconds().end())
+    state.counters["xFloat"] = it->second / perCall;
+}
+
+void BM_ReadBandwidth(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(sdpa_bench::readBandwidthGBs());
+  state.counters["GBps"] = sdpa_bench::readBandwidthGBs();
+}
+
+}  // namespace
+
+BENCHMARK(BM_ReadBandwidth)->Iterations(1);
+BENCHMARK(BM_Decode<float>)
+    ->ArgNames({"nk", "d", "threads"})
+    ->ArgsProduct({{65536}, {64, 128}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Decode<Eigen::half>)
+    ->ArgNames({"nk", "d", "threads"})
+    ->ArgsProduct({{65536}, {64, 128}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Decode<Eigen::bfloat16>)
+    ->ArgNames({"nk", "d", "threads"})
+    ->ArgsProduct({{65536}, {128}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();
