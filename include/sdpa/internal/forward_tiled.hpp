@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,39 @@ inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
     std::memcpy(dst + i, &word, sizeof(float));
   }
 }
+
+#if defined(__AVX512F__)
+/// Decoding over half storage converts in registers (no float copy of each column): AVX-512.
+inline constexpr bool kFusedHalf = true;
+/// y += a * float(x), n contiguous elements.
+inline void axpyHalf(float a, const Eigen::half* x, float* y, Index n) {
+  const __m512 va = _mm512_set1_ps(a);
+  Index i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, xv, _mm512_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * float(x[i]);
+}
+/// sum_i p[i] * float(x[i]), two accumulators to hide the FMA latency.
+inline float dotHalf(const float* p, const Eigen::half* x, Index n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  Index i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i),
+                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 16),
+                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16))), s1);
+  }
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; i < n; ++i) sum += p[i] * float(x[i]);
+  return sum;
+}
+#else
+inline constexpr bool kFusedHalf = false;
+inline void axpyHalf(float, const Eigen::half*, float*, Index) {}
+inline float dotHalf(const float*, const Eigen::half*, Index) { return 0; }
+#endif
 
 /// Query rows and keys per tile.
 struct TileSizes {
@@ -154,8 +187,13 @@ struct forward_tiled_impl {
       if (decode) {
         s.setZero();
         for (Index c = 0; c < dK; ++c) {
-          const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
-          for (Index r = 0; r < bq; ++r) s.row(r) += qs(r, c) * kc.transpose();
+          if constexpr (std::is_same_v<In, Eigen::half> && kFusedHalf) {
+            const Eigen::half* kc = k.col(c).segment(j0, cols).data();
+            for (Index r = 0; r < bq; ++r) axpyHalf(qs(r, c), kc, s.row(r).data(), cols);
+          } else {
+            const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
+            for (Index r = 0; r < bq; ++r) s.row(r) += qs(r, c) * kc.transpose();
+          }
         }
       } else {
         const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
@@ -169,14 +207,21 @@ struct forward_tiled_impl {
       auto acc = state.acc();
       if (decode) {
         for (Index c = 0; c < dV; ++c) {
-          const auto vc = columnAsAcc(v.col(c).segment(j0, cols), sc.v).transpose();
-          for (Index r = 0; r < bq; ++r) {
-            Acc dot = (s.row(r).array() * vc.array()).sum();
-            // A value of weight 0 must have no effect even if it is NaN or inf (0 * inf = NaN):
-            // only a non-finite dot pays for the (scalar) select.
-            if (!std::isfinite(dot))
+          const auto segment = v.col(c).segment(j0, cols);
+          // A value of weight 0 must have no effect even if it is NaN or inf (0 * inf = NaN):
+          // only a non-finite dot pays for the (scalar) select.
+          const auto add = [&](Index r, Acc dot) {
+            if (!std::isfinite(dot)) {
+              const auto vc = columnAsAcc(segment, sc.v).transpose();
               dot = (s.row(r).array() == Acc(0)).select(Acc(0), s.row(r).array() * vc.array()).sum();
+            }
             acc(r, c) += dot;
+          };
+          if constexpr (std::is_same_v<In, Eigen::half> && kFusedHalf) {
+            for (Index r = 0; r < bq; ++r) add(r, dotHalf(s.row(r).data(), segment.data(), cols));
+          } else {
+            const auto vc = columnAsAcc(segment, sc.v).transpose();
+            for (Index r = 0; r < bq; ++r) add(r, (s.row(r).array() * vc.array()).sum());
           }
         }
       } else {
