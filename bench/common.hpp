@@ -110,17 +110,30 @@ inline void reportFlops(benchmark::State& state, double flops, double seconds, I
   if (const double ob = openblasSgemmGflops(nQ, nK, d); ob > 0) state.counters["xSGEMM_openblas"] = gflops / ob;
 }
 
-/// Single-thread memory read bandwidth in GB/s: a vectorised sum over 512 MiB, far beyond the
-/// caches, median of 5 passes. Measured once per run.
+/**
+ * Single-thread memory read bandwidth in GB/s over 512 MiB, far beyond the caches: the larger of
+ * a vectorised sum (one stream) and a float matrix-vector product over a 2^20 x 128 column-major
+ * matrix (several column streams at once, the access pattern of decoding). Median of 5 passes,
+ * measured once per run.
+ */
 inline double readBandwidthGBs() {
   static double cached = 0;
   if (cached > 0) return cached;
-  const Index n = Index(512) << 20 >> 2;  // floats
-  Eigen::VectorXf x = Eigen::VectorXf::Ones(n);
+  setThreads(1);
+  const int before = Eigen::nbThreads();
+  Eigen::setNbThreads(1);
+  const Index rows = Index(1) << 20, cols = 128;  // 512 MiB of floats
+  Eigen::MatrixXf a = Eigen::MatrixXf::Ones(rows, cols);
+  const Eigen::VectorXf x = Eigen::VectorXf::Ones(rows);
+  Eigen::VectorXf y(cols);
   float sink = 0;
-  const double s = medianSeconds([&] { sink += x.sum(); }, 5);
+  const double bytes = double(rows) * double(cols) * sizeof(float);
+  const double sum = bytes / medianSeconds([&] { sink += a.sum(); }, 5);
+  const double gemv = bytes / medianSeconds([&] { y.noalias() = a.transpose() * x; }, 5);
+  Eigen::setNbThreads(before > 0 && before != omp_get_max_threads() ? before : 0);
   benchmark::DoNotOptimize(sink);
-  return cached = double(n) * sizeof(float) / s * 1e-9;
+  benchmark::DoNotOptimize(y.data());
+  return cached = std::max(sum, gemv) * 1e-9;
 }
 
 }  // namespace sdpa_bench

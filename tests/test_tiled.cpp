@@ -337,18 +337,20 @@ TEMPLATE_TEST_CASE("tiled backward: bias gradients, learnable scales, 1 and 2 th
           tol * std::max<double>(1, std::abs(naiveScale.head(h).grad())));
 }
 
-TEST_CASE("decoding over half storage: a few queries against a long fp16 KV cache", "[tiled][half][decode]") {
+TEMPLATE_TEST_CASE("decoding over half storage: a few queries against a long fp16 or bf16 KV cache",
+                   "[tiled][half][decode]", Eigen::half, Eigen::bfloat16) {
+  using H = TestType;
   // The decoding path converts k and v in registers when compiled for AVX-512, column by column
   // otherwise; both against the float rule on the exactly converted inputs.
   const Index nQ = 2, nK = 5000, dK = 64, valid = 4321;
-  Mat<Eigen::half> q = randn<float>(nQ, dK, 71).cast<Eigen::half>(), k = randn<float>(nK, dK, 72).cast<Eigen::half>(),
-                   v = randn<float>(nK, dK, 73).cast<Eigen::half>();
-  v.bottomRows(nK - valid).setConstant(Eigen::half(std::numeric_limits<float>::quiet_NaN()));  // stale cache rows
+  Mat<H> q = randn<float>(nQ, dK, 71).template cast<H>(), k = randn<float>(nK, dK, 72).template cast<H>(),
+         v = randn<float>(nK, dK, 73).template cast<H>();
+  v.bottomRows(nK - valid).setConstant(H(std::numeric_limits<float>::quiet_NaN()));  // stale cache rows
   const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
   const auto visible = [=](Index, Index j) { return j < valid; };
   const auto gold = referenceAttention<long double>(qd, kd, vd, 0.125L, visible);
   const auto naive = referenceAttention<float>(qd, kd, vd, 0.125L, visible);
-  const Mat<double> goldOut = gold.output.cast<double>();
+  const Mat<double> goldOut = gold.output.template cast<double>();
   const auto out = sdpa::attentionForward<float>(q, k, v, sdpa::scale::InvSqrtDk{}, mask::KeyLength{valid});
   CHECK(out.output.allFinite());
   CHECK(maxAbsDiff(out.output, goldOut) <=

@@ -50,36 +50,58 @@ inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
 }
 
 #if defined(__AVX512F__)
-/// Decoding over half storage converts in registers (no float copy of each column): AVX-512.
+/// Decoding over half or bfloat16 storage converts in registers (no float copy of each column).
 inline constexpr bool kFusedHalf = true;
-/// y += a * float(x), n contiguous elements.
-inline void axpyHalf(float a, const Eigen::half* x, float* y, Index n) {
-  const __m512 va = _mm512_set1_ps(a);
+/// 16 half or bfloat16 values widened to float (bfloat16 is the upper half of a float).
+inline __m512 load16(const Eigen::half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+inline __m512 load16(const Eigen::bfloat16* x) {
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+/**
+ * y += sum_c a[c] x_c over G columns x_c = x + c stride of n contiguous halves: y (the logits
+ * row, in L2) is read and written once per G columns instead of once per column.
+ */
+template <int G, typename H>
+void axpyColumnsHalf(const float* a, const H* x, Index stride, float* y, Index n) {
+  __m512 va[G];
+  for (int c = 0; c < G; ++c) va[c] = _mm512_set1_ps(a[c]);
   Index i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 xv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, xv, _mm512_loadu_ps(y + i)));
+    __m512 acc = _mm512_loadu_ps(y + i);
+    for (int c = 0; c < G; ++c) acc = _mm512_fmadd_ps(va[c], load16(x + c * stride + i), acc);
+    _mm512_storeu_ps(y + i, acc);
   }
-  for (; i < n; ++i) y[i] += a * float(x[i]);
+  for (; i < n; ++i)
+    for (int c = 0; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);
 }
-/// sum_i p[i] * float(x[i]), two accumulators to hide the FMA latency.
-inline float dotHalf(const float* p, const Eigen::half* x, Index n) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+/// out[c] = sum_i p[i] x_c[i] for G columns x_c = x + c stride: p is read once for G dots.
+template <int G, typename H>
+void dotColumnsHalf(const float* p, const H* x, Index stride, Index n, float* out) {
+  __m512 acc[G];
+  for (int c = 0; c < G; ++c) acc[c] = _mm512_setzero_ps();
   Index i = 0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i),
-                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 16),
-                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16))), s1);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 pv = _mm512_loadu_ps(p + i);
+    for (int c = 0; c < G; ++c) acc[c] = _mm512_fmadd_ps(pv, load16(x + c * stride + i), acc[c]);
   }
-  float sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-  for (; i < n; ++i) sum += p[i] * float(x[i]);
-  return sum;
+  for (int c = 0; c < G; ++c) {
+    // Not _mm512_reduce_add_ps: GCC 12 warns inside it (-Wuninitialized on _mm256_undefined_pd).
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[c]);
+    out[c] = 0;
+    for (float l : lanes) out[c] += l;
+    for (Index t = i; t < n; ++t) out[c] += p[t] * float(x[c * stride + t]);
+  }
 }
 #else
 inline constexpr bool kFusedHalf = false;
-inline void axpyHalf(float, const Eigen::half*, float*, Index) {}
-inline float dotHalf(const float*, const Eigen::half*, Index) { return 0; }
+template <int G, typename H>
+void axpyColumnsHalf(const float*, const H*, Index, float*, Index) {}
+template <int G, typename H>
+void dotColumnsHalf(const float*, const H*, Index, Index, float*) {}
 #endif
 
 /// Query rows and keys per tile.
@@ -185,12 +207,22 @@ struct forward_tiled_impl {
       if (t == mask::Tile::Hidden) continue;
       TileMap s(sc.s.get(bq * chunk), bq, cols);
       if (decode) {
-        s.setZero();
-        for (Index c = 0; c < dK; ++c) {
-          if constexpr (std::is_same_v<In, Eigen::half> && kFusedHalf) {
-            const Eigen::half* kc = k.col(c).segment(j0, cols).data();
-            for (Index r = 0; r < bq; ++r) axpyHalf(qs(r, c), kc, s.row(r).data(), cols);
-          } else {
+        const auto kChunk = k.middleRows(j0, cols);  // cols x d_k, each column contiguous
+        if constexpr (IsHalfScalar<In> && kFusedHalf) {
+          s.setZero();
+          const Index stride = k.derived().outerStride();
+          for (Index r = 0; r < bq; ++r) {
+            Index c = 0;
+            for (; c + 8 <= dK; c += 8)
+              axpyColumnsHalf<8>(&qs(r, c), &kChunk.coeffRef(0, c), stride, s.row(r).data(), cols);
+            for (; c < dK; ++c) axpyColumnsHalf<1>(&qs(r, c), &kChunk.coeffRef(0, c), stride, s.row(r).data(), cols);
+          }
+        } else if constexpr (std::is_same_v<In, float>) {
+          // Eigen's matrix-vector product streams several columns of k at once.
+          for (Index r = 0; r < bq; ++r) s.row(r).transpose().noalias() = kChunk * qs.row(r).transpose();
+        } else {
+          s.setZero();
+          for (Index c = 0; c < dK; ++c) {
             const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
             for (Index r = 0; r < bq; ++r) s.row(r) += qs(r, c) * kc.transpose();
           }
@@ -206,22 +238,31 @@ struct forward_tiled_impl {
       if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
       auto acc = state.acc();
       if (decode) {
-        for (Index c = 0; c < dV; ++c) {
-          const auto segment = v.col(c).segment(j0, cols);
-          // A value of weight 0 must have no effect even if it is NaN or inf (0 * inf = NaN):
-          // only a non-finite dot pays for the (scalar) select.
-          const auto add = [&](Index r, Acc dot) {
-            if (!std::isfinite(dot)) {
-              const auto vc = columnAsAcc(segment, sc.v).transpose();
-              dot = (s.row(r).array() == Acc(0)).select(Acc(0), s.row(r).array() * vc.array()).sum();
-            }
-            acc(r, c) += dot;
-          };
-          if constexpr (std::is_same_v<In, Eigen::half> && kFusedHalf) {
-            for (Index r = 0; r < bq; ++r) add(r, dotHalf(s.row(r).data(), segment.data(), cols));
+        // dots[c] = s_r . v_c for every value column, then the guard: a value of weight 0 must
+        // have no effect even if it is NaN or inf (0 * inf = NaN), so only a non-finite dot
+        // pays for the (scalar) select.
+        const auto vChunk = v.middleRows(j0, cols);
+        Eigen::Map<Vector<Acc>> dots(sc.v.get(dV), dV);
+        for (Index r = 0; r < bq; ++r) {
+          if constexpr (IsHalfScalar<In> && kFusedHalf) {
+            const Index stride = v.derived().outerStride();
+            Index c = 0;
+            for (; c + 8 <= dV; c += 8)
+              dotColumnsHalf<8>(s.row(r).data(), &vChunk.coeffRef(0, c), stride, cols, &dots(c));
+            for (; c < dV; ++c) dotColumnsHalf<1>(s.row(r).data(), &vChunk.coeffRef(0, c), stride, cols, &dots(c));
+          } else if constexpr (std::is_same_v<In, float>) {
+            dots.transpose().noalias() = s.row(r) * vChunk;
           } else {
-            const auto vc = columnAsAcc(segment, sc.v).transpose();
-            for (Index r = 0; r < bq; ++r) add(r, (s.row(r).array() * vc.array()).sum());
+            for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
+          }
+          for (Index c = 0; c < dV; ++c) {
+            if (!std::isfinite(dots(c))) {
+              const auto vc = columnAsAcc(vChunk.col(c), sc.k);
+              dots(c) = (s.row(r).transpose().array() == Acc(0))
+                            .select(Acc(0), s.row(r).transpose().array() * vc.array())
+                            .sum();
+            }
+            acc(r, c) += dots(c);
           }
         }
       } else {
