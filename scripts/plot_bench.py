@@ -19,7 +19,8 @@ COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6
 
 
 def load(paths):
-    """{(kernel, n): {d: GFLOPS}} from every benchmark named Family<Kernel>/n:../d:.."""
+    """{(kernel, n, threads): {d: GFLOPS}} from benchmarks named Family<Kernel>/n:../d:../threads:..,
+    and the Eigen SGEMM ceiling {n: {d: GFLOPS}} from their xSGEMM counters."""
     series = defaultdict(dict)
     ceiling = defaultdict(dict)
     for path in paths:
@@ -31,11 +32,11 @@ def load(paths):
             m = re.match(r"(\w+)<(?:sdpa::kernel::)?(\w+)[^>]*>/n:(\d+)/d:(\d+)/threads:(\d+)", b["name"])
             if not m or "GFLOPS" not in b:
                 continue
-            family, kernel, n, d, threads = m.groups()
-            label = f"{kernel}, n = {n}" + (f", {threads} threads" if threads != "1" else "")
-            series[label][int(d)] = b["GFLOPS"] / 1e9 if b["GFLOPS"] > 1e6 else b["GFLOPS"]
-            if "xSGEMM" in b and b["xSGEMM"] > 0:
-                ceiling[f"Eigen SGEMM, n = {n}"][int(d)] = series[label][int(d)] / b["xSGEMM"]
+            _, kernel, n, d, threads = m.groups()
+            rate = b["GFLOPS"] / 1e9 if b["GFLOPS"] > 1e6 else b["GFLOPS"]
+            series[(kernel, int(n), int(threads))][int(d)] = rate
+            if b.get("xSGEMM", 0) > 0:
+                ceiling[int(n)][int(d)] = rate / b["xSGEMM"]
     return series, ceiling
 
 
@@ -67,18 +68,25 @@ def svg(series, ceiling, title):
     out.append(f'<text x="{(left + width - right) / 2}" y="{height - 12}" text-anchor="middle">d_k</text>')
     out.append(f'<text x="16" y="{(top + height - bottom) / 2}" transform="rotate(-90 16 '
                f'{(top + height - bottom) / 2})" text-anchor="middle">GFLOP/s (4 n_q n_k d / time)</text>')
+    # One color per n; the line style tells the kernel (solid: tiled, thin: naive, dashed: SGEMM).
+    ns = sorted({key[1] for key in series} | set(ceiling))
+    color = {n: COLORS[i % len(COLORS)] for i, n in enumerate(ns)}
+    lines = []
+    for (kernel, n, threads), s in sorted(series.items(), key=lambda kv: (kv[0][0] != "Tiled", kv[0][1], kv[0][2])):
+        width_px = 2.5 if kernel == "Tiled" else 1.2
+        label = f"{kernel}, n = {n}" + (f", {threads} threads" if threads != 1 else "")
+        lines.append((label, s, color[n], width_px, ""))
+    for n, s in sorted(ceiling.items()):
+        lines.append((f"Eigen SGEMM, n = {n}", s, color[n], 1.2, ' stroke-dasharray="5,4"'))
     legend_y = top
-    lines = [(k, s, False) for k, s in sorted(series.items())] + [(k, s, True) for k, s in sorted(ceiling.items())]
-    for i, (label, s, dashed) in enumerate(lines):
-        color = COLORS[i % len(COLORS)]
+    for label, s, col, width_px, dash in lines:
         pts = " ".join(f"{xs[d]:.1f},{y(s[d]):.1f}" for d in sorted(s))
-        dash = ' stroke-dasharray="5,4"' if dashed else ""
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="{width_px}"{dash}/>')
         for d in sorted(s):
-            out.append(f'<circle cx="{xs[d]:.1f}" cy="{y(s[d]):.1f}" r="3" fill="{color}"/>')
+            out.append(f'<circle cx="{xs[d]:.1f}" cy="{y(s[d]):.1f}" r="2.5" fill="{col}"/>')
         lx = width - right + 15
-        out.append(f'<line x1="{lx}" x2="{lx + 22}" y1="{legend_y}" y2="{legend_y}" stroke="{color}" '
-                   f'stroke-width="2"{dash}/>')
+        out.append(f'<line x1="{lx}" x2="{lx + 22}" y1="{legend_y}" y2="{legend_y}" stroke="{col}" '
+                   f'stroke-width="{width_px}"{dash}/>')
         out.append(f'<text x="{lx + 28}" y="{legend_y + 4}">{label}</text>')
         legend_y += 18
     out.append("</svg>")
