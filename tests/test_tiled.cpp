@@ -356,3 +356,24 @@ TEMPLATE_TEST_CASE("decoding over half storage: a few queries against a long fp1
   CHECK(maxAbsDiff(out.output, goldOut) <=
         errorBound<float>(maxAbsDiff(naive.output, goldOut), goldOut.cwiseAbs().maxCoeff()));
 }
+
+TEST_CASE("backward: a NaN query row poisons only the gradients of what it saw", "[tiled][backward][nan]") {
+  // Causal (upper-left): query 2 sees keys 0..2. Its NaN reaches dq row 2 and dk, dv rows 0..2;
+  // keys 3.. (hidden from it) and every other dq row keep finite gradients, in both kernels.
+  Mat<double> q = randn<double>(12, 8, 81);
+  const Mat<double> k = randn<double>(12, 8, 82), v = randn<double>(12, 5, 83), dO = randn<double>(12, 5, 84);
+  q(2, 3) = std::numeric_limits<double>::quiet_NaN();
+  const auto m = mask::Causal{Align::UpperLeft};
+  const auto check = [&](const auto& kern, const char* name) {
+    INFO("kernel " << name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, sdpa::scale::InvSqrtDk{}, m);
+    const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dO, sdpa::scale::InvSqrtDk{}, m);
+    for (Index i = 0; i < 12; ++i) CHECK(g.dq.row(i).allFinite() == (i != 2));
+    CHECK(g.dk.bottomRows(9).allFinite());
+    CHECK(g.dv.bottomRows(9).allFinite());
+    CHECK(g.dv.topRows(3).array().isNaN().any());
+  };
+  check(kernel::Naive{}, "Naive");
+  check(kernel::Tiled{}, "Tiled{}");
+  check(kernel::Tiled{2, 3}, "Tiled{2, 3}");
+}

@@ -29,6 +29,38 @@ void assertFloatingVector() {
 }
 
 /**
+ * exp(z) elementwise with exp(-inf) = 0 exactly, vectorised. Eigen's vectorised exp clamps its
+ * argument (exp(-inf) comes out as 1e-39 in SSE float, 5e-309 in double), and Eigen 3.4's
+ * select() is not vectorised (20x slower than exp), so hidden entries are zeroed arithmetically:
+ * the ramp clamp(z - cut, 0, 1) is 0 at -inf and 1 wherever exp(z) is representable (exp(cut)
+ * rounds to 0 in the scalar type).
+ */
+template <typename Derived>
+auto expHidingMinusInf(const Eigen::ArrayBase<Derived>& z) {
+  using S = typename Derived::Scalar;
+  constexpr S cut = std::is_same_v<S, float> ? S(-110) : S(-800);
+  return z.max(cut).exp() * (z - cut).max(S(0)).min(S(1));
+}
+
+/**
+ * The attention weights P = exp(L - lse) of one row of logits L, from the forward pass's
+ * logSumExp, written into p (may alias l): hidden entries (-inf) and a fully masked row
+ * (lse = -inf) give exactly 0; a row whose forward was NaN (lse NaN) gives NaN at its visible
+ * entries only, so the NaN does not reach the gradients of keys the row never saw.
+ */
+template <typename DL, typename DP, typename Scalar>
+void weightsFromLogSumExp(const Eigen::ArrayBase<DL>& l, const Eigen::ArrayBase<DP>& p_, Scalar lse) {
+  auto& p = const_cast<Eigen::ArrayBase<DP>&>(p_);  // Eigen's idiom to write into blocks
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+  if (lse == -inf)
+    p.setZero();
+  else if (std::isnan(lse))
+    for (Index j = 0; j < p.size(); ++j) p(j) = l(j) == -inf ? Scalar(0) : std::numeric_limits<Scalar>::quiet_NaN();
+  else
+    p = expHidingMinusInf(l - lse);
+}
+
+/**
  * Replaces x (a row or vector of logits) by softmax(x) and returns logSumExp(x).
  * All -inf (or empty): x becomes 0, returns -inf. Any NaN: x becomes NaN, returns NaN.
  */
@@ -43,11 +75,12 @@ typename Derived::Scalar softmaxInPlace(const Eigen::MatrixBase<Derived>& x_) {
     x.setZero();
     return -inf;
   }
-  // Eigen's vectorised exp clamps its argument (to -88.4 in float, -709 in double), so
-  // exp(-inf) comes out as a tiny positive number, not 0; a hidden key would then get a
-  // nonzero weight and 1e-309 * inf = inf would leak its value. Hidden entries are set to 0.
-  // m = +inf leaves exp(inf - inf) = NaN in the row: an infinite logit has no finite softmax.
-  x = (x.array() == -inf).select(Scalar(0), (x.array() - m).exp()).matrix();
+  if (!(m < inf)) {  // a NaN, or +inf: an infinite logit has no finite softmax
+    x.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+    return std::numeric_limits<Scalar>::quiet_NaN();
+  }
+  // Hidden entries must get weight exactly 0 (1e-309 * inf = inf would leak a hidden value).
+  x = expHidingMinusInf(x.array() - m).matrix();
   const Scalar sum = x.sum();  // >= 1: the maximum contributes exp(0)
   x /= sum;
   return m + std::log(sum);

@@ -31,7 +31,6 @@ struct backward_naive_impl {
                     const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
                     Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
                     Matrix<Scalar>* dbias, Index dbiasRow0, Scratch& s) {
-    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     const Index nQ = q.rows(), nK = k.rows();
     const Scalar tau = scale.template value<Scalar>(q.cols());
 
@@ -46,10 +45,7 @@ struct backward_naive_impl {
     // masked row (lse = -inf), never exp(-inf - -inf) = NaN.
     for (Index i = 0; i < nQ; ++i) {
       auto row = s.p.row(i).array();
-      if (lse(i) == -inf)
-        row.setZero();
-      else
-        row = (row == -inf).select(Scalar(0), (row - lse(i)).exp());
+      weightsFromLogSumExp(row, row, lse(i));
     }
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO

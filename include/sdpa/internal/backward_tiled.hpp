@@ -28,7 +28,6 @@ namespace sdpa::internal {
 template <typename Scalar>
 struct backward_tiled_impl {
   using TileMap = Eigen::Map<RowMajorMatrix<Scalar>>;
-  static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
 
   struct Scratch {
     Buffer<Scalar> x, y, p, pDropped, dp, g;
@@ -89,10 +88,7 @@ struct backward_tiled_impl {
     // forward: P = exp(L - lse); hidden entries and fully masked rows (lse = -inf) are exactly 0.
     for (Index r = 0; r < bq; ++r) {
       const Scalar l = h.lse(i0 + r);
-      if (l == -kInf)
-        p.row(r).setZero();
-      else
-        p.row(r).array() = expHidingMinusInf(x.row(r).array() - l);
+      weightsFromLogSumExp(x.row(r).array(), p.row(r).array(), l);
     }
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO

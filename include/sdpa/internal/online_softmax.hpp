@@ -5,24 +5,11 @@
 #include <limits>
 #include <vector>
 
+#include "../softmax.hpp"
 #include "macros.hpp"
 #include "parallel.hpp"
 
 namespace sdpa::internal {
-
-/**
- * exp(z) elementwise with exp(-inf) = 0 exactly, vectorised. Eigen's vectorised exp clamps its
- * argument (exp(-inf) comes out as 1e-39 in SSE float, 5e-309 in double), and Eigen 3.4's
- * select() is not vectorised (20x slower than exp), so hidden entries are zeroed arithmetically:
- * the ramp clamp(z - cut, 0, 1) is 0 at -inf and 1 wherever exp(z) is representable (exp(cut)
- * rounds to 0 in the scalar type).
- */
-template <typename Derived>
-auto expHidingMinusInf(const Eigen::ArrayBase<Derived>& z) {
-  using S = typename Derived::Scalar;
-  constexpr S cut = std::is_same_v<S, float> ? S(-110) : S(-800);
-  return z.max(cut).exp() * (z - cut).max(S(0)).min(S(1));
-}
 
 /**
  * The running softmax of a block of query rows while blocks of keys stream past (Milakov and
