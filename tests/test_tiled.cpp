@@ -116,6 +116,23 @@ TEST_CASE("1 and 2 threads give bitwise identical forward results", "[tiled][thr
   CHECK(one.logSumExp == two.logSumExp);
   CHECK(decodeOne.output == decodeTwo.output);
   CHECK(decodeOne.logSumExp == decodeTwo.logSumExp);
+
+  // Decoding against 20000 keys: a single work unit whose keys are split (8 ways); the split
+  // depends on the shape only, so 1 and 2 threads, and the same head inside a multi-head call,
+  // agree bitwise.
+  const Mat<float> qd = randn<float>(1, 2 * dK, 14), kd = randn<float>(20000, 2 * dK, 15),
+                   vd = randn<float>(20000, 2 * dK, 16);
+  sdpa::ForwardResult<float> single1, single2;
+  sdpa::MultiHeadForwardResult<float> both;
+  withThreads(1, [&] { single1 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK)); });
+  withThreads(2, [&] {
+    single2 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK));
+    both = sdpa::multiHeadAttentionForward(qd, kd, vd, sdpa::Heads{2});
+  });
+  CHECK(single1.output == single2.output);
+  CHECK(single1.logSumExp == single2.logSumExp);
+  CHECK(single1.output == both.output.leftCols(dK));
+  CHECK(single1.logSumExp(0) == both.logSumExp(0, 0));
 }
 
 TEMPLATE_TEST_CASE("tiled and naive kernels agree on batched GQA with dropout", "[tiled][multihead]", float, double) {

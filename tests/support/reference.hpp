@@ -49,6 +49,7 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
   std::vector<T> s(static_cast<size_t>(nK));
   for (Index i = 0; i < nQ; ++i) {
     T m = -std::numeric_limits<T>::infinity();
+    bool nan = false;
     for (Index j = 0; j < nK; ++j) {
       if (!visible(i, j)) continue;
       T dot = 0;
@@ -57,8 +58,15 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
       if (softcap > 0) logit = T(softcap) * std::tanh(logit / T(softcap));
       s[size_t(j)] = logit + T(bias(i, j));
       if (s[size_t(j)] > m) m = s[size_t(j)];
+      nan = nan || std::isnan(s[size_t(j)]);
     }
-    if (m == -std::numeric_limits<T>::infinity()) continue;  // fully masked: output 0, lse -inf
+    if (nan) {  // a NaN logit it can see makes the row NaN (NUMERICS.md)
+      r.output.row(i).setConstant(std::numeric_limits<T>::quiet_NaN());
+      r.logSumExp(i) = std::numeric_limits<T>::quiet_NaN();
+      continue;
+    }
+    // No key, or only -inf logits: weight 0 everywhere, output 0, lse -inf.
+    if (m == -std::numeric_limits<T>::infinity()) continue;
     T sum = 0;
     for (Index j = 0; j < nK; ++j)
       if (visible(i, j)) sum += std::exp(s[size_t(j)] - m);

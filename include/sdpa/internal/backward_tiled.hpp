@@ -111,11 +111,14 @@ struct backward_tiled_impl {
     }
 
     // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = dO_i . O_i. Where P is 0 (hidden)
-    // dL is 0 even if dP is NaN there (non-finite inputs only: Eigen 3.4's select is scalar).
+    // dL is 0 even if dP is NaN or inf there: from a non-finite input, or from finite ones whose
+    // product overflows (|v| near the largest float). Eigen 3.4's select is scalar, so the
+    // select path runs only when the inputs or this tile's dP are not all finite.
+    const bool finite = h.finite && dp.allFinite();
     for (Index r = 0; r < bq; ++r) {
       const Scalar d = h.rowD(i0 + r);
       auto pr = p.row(r).array();
-      if (h.finite)
+      if (finite)
         dp.row(r).array() = pr * (dp.row(r).array() - d);
       else
         dp.row(r).array() = (pr == Scalar(0)).select(Scalar(0), pr * (dp.row(r).array() - d));
@@ -126,7 +129,7 @@ struct backward_tiled_impl {
     // forward: softcap(Y) = c tanh(Y / c)   =>   dY = dL (1 - tanh^2(Y / c))
     if (h.cap > 0) {
       auto t = (y.array() / h.cap).tanh();
-      if (h.finite)
+      if (finite)
         dp.array() *= Scalar(1) - t * t;
       else
         dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * (Scalar(1) - t * t)).matrix();
@@ -136,10 +139,10 @@ struct backward_tiled_impl {
     // dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i, read off G = dY k at b_q x d_k cost.
     Eigen::Map<Matrix<Scalar>> g(sc.g.get(bq * dK), bq, dK);
     g.setZero();
-    addProduct(h.finite, dp, kj, g);
+    addProduct(finite, dp, kj, g);
     dq += h.tau * g;
-    addProduct(h.finite, dp.transpose(), qsi, dk);
-    if (h.finite) return (qi.array() * g.array()).sum();
+    addProduct(finite, dp.transpose(), qsi, dk);
+    if (finite) return (qi.array() * g.array()).sum();
     return (g.array() == Scalar(0)).select(Scalar(0), qi.array() * g.array()).sum();
   }
 };
@@ -169,7 +172,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     qs.middleCols(h * dims.dK, dims.dK) =
         headScale(scale, h).template value<Scalar>(dims.dK) * q.middleCols(h * dims.dK, dims.dK);
   }
-  const bool finite = q.allFinite() && k.allFinite() && v.allFinite() && dO.allFinite();
+  // qs rather than q: tau q may overflow where q does not.
+  const bool finite = qs.allFinite() && k.allFinite() && v.allFinite() && dO.allFinite();
   const Scalar cap = Scalar(mask::internal::softcapOf(mask));
 
   struct Unit {

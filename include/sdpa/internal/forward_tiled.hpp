@@ -145,7 +145,7 @@ struct forward_tiled_impl {
   /// Per-thread scratch, allocated on first use and reused by every later call on the thread.
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
-    OnlineSoftmax<Acc> state;
+    OnlineSoftmax<Acc> state, part;  // part: a key split merged into state
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -278,11 +278,21 @@ struct forward_tiled_impl {
   static constexpr Index kDecodeKeys = 16384;
 };
 
+/// Key splits of a work unit of `rows` query rows against nK keys: only decoding units (a few
+/// rows) with many keys are split, and by their own shape alone, so that a head's result does
+/// not depend on the thread count, the other heads or the other batch items (bitwise).
+inline Index keySplits(Index rows, Index nK, Index tileK) {
+  constexpr Index kDecodeRows = 4, kMaxSplits = 8, kMinTilesPerSplit = 4;
+  if (rows > kDecodeRows) return 1;
+  return std::clamp<Index>(nK / (kMinTilesPerSplit * tileK), 1, kMaxSplits);
+}
+
 /**
  * The tiled forward of a packed batch (layout and heads as in multihead.hpp): out is
- * (sum n_q) x (H d_v), lse (sum n_q) x H. Work units are (item, head, query block); when they
- * are fewer than the threads and the keys are many (decoding: n_q small, n_k large), each unit
- * is also split over key ranges whose states are merged by their logSumExp.
+ * (sum n_q) x (H d_v), lse (sum n_q) x H. Work units are (item, head, query block). A decoding
+ * unit (a few query rows, many keys) is also split over key ranges (keySplits) whose states are
+ * merged by their logSumExp, left to right: in parallel when the units are fewer than the
+ * threads, else one after the other inside the unit's work item -- the same arithmetic.
  */
 template <typename In, typename Out, typename Scale, typename Mask>
 void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const ConstRef<In>& k, const ConstRef<In>& v,
@@ -296,24 +306,23 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   std::vector<ItemHead> pairs;
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
   struct Unit {
-    Index pair, i0, rows;
+    Index pair, i0, rows, splits, firstPart;
   };
   std::vector<Unit> units;
-  Index maxKeys = 0;
-  for (Index p = 0; p < Index(pairs.size()); ++p) {
-    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
-      units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
-    maxKeys = std::max(maxKeys, pairs[size_t(p)].nK);
-  }
+  Index parts = 0;
+  for (Index p = 0; p < Index(pairs.size()); ++p)
+    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q) {
+      const Index rows = std::min(tile.q, pairs[size_t(p)].nQ - i0);
+      const Index splits = keySplits(rows, pairs[size_t(p)].nK, tile.k);
+      units.push_back({p, i0, rows, splits, parts});
+      parts += splits;
+    }
   const int threads = maxThreads();
-  // Key splits per unit: enough units for every thread, each split at least 4 key tiles long.
-  const Index splits =
-      Index(units.size()) >= threads ? 1 : std::max<Index>(1, std::min<Index>(threads, maxKeys / (4 * tile.k)));
 
   const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc) {
     const ItemHead& u = pairs[size_t(w.pair)];
     // Split s covers whole key tiles [s * per, (s + 1) * per) of the item.
-    const Index tilesK = (u.nK + tile.k - 1) / tile.k, per = (tilesK + splits - 1) / splits;
+    const Index tilesK = (u.nK + tile.k - 1) / tile.k, per = (tilesK + w.splits - 1) / w.splits;
     const Index kBegin = std::min(u.nK, split * per * tile.k), kEnd = std::min(u.nK, (split + 1) * per * tile.k);
     Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
                  v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
@@ -325,20 +334,31 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
                  lse.col(u.head).segment(u.q0 + w.i0, w.rows));
   };
 
-  if (splits == 1) {
+  if (Index(units.size()) >= threads || parts == Index(units.size())) {
     parallelFor(Index(units.size()), threads, [&](Index i) {
+      const Unit& w = units[size_t(i)];
       auto& sc = Impl::threadScratch();
-      slice(units[size_t(i)], 0, sc.state, sc);
-      finish(units[size_t(i)], sc.state);
+      slice(w, 0, sc.state, sc);
+      for (Index s = 1; s < w.splits; ++s) {
+        slice(w, s, sc.part, sc);
+        sc.state.merge(sc.part);
+      }
+      finish(w, sc.state);
     });
     return;
   }
-  std::vector<OnlineSoftmax<Acc>> parts(units.size() * size_t(splits));
-  parallelFor(Index(parts.size()), threads,
-              [&](Index i) { slice(units[size_t(i / splits)], i % splits, parts[size_t(i)], Impl::threadScratch()); });
-  for (size_t w = 0; w < units.size(); ++w) {
-    for (Index s = 1; s < splits; ++s) parts[w * size_t(splits)].merge(parts[w * size_t(splits) + size_t(s)]);
-    finish(units[w], parts[w * size_t(splits)]);
+  // Few units: every split of every unit is a work item of its own.
+  std::vector<OnlineSoftmax<Acc>> states(static_cast<size_t>(parts));
+  std::vector<Index> unitOf(static_cast<size_t>(parts));
+  for (size_t w = 0; w < units.size(); ++w)
+    for (Index s = 0; s < units[w].splits; ++s) unitOf[size_t(units[w].firstPart + s)] = Index(w);
+  parallelFor(parts, threads, [&](Index i) {
+    const Unit& w = units[size_t(unitOf[size_t(i)])];
+    slice(w, i - w.firstPart, states[size_t(i)], Impl::threadScratch());
+  });
+  for (const Unit& w : units) {
+    for (Index s = 1; s < w.splits; ++s) states[size_t(w.firstPart)].merge(states[size_t(w.firstPart + s)]);
+    finish(w, states[size_t(w.firstPart)]);
   }
 }
 

@@ -1,0 +1,208 @@
+// Extreme inputs, every kernel: logits at and past the fp32 exp limit, 1e30 magnitudes, all-equal
+// logits, n_k = 1, d_k = 1, denormals, a million keys for one query, fully masked rows. The
+// expected values are exact (one-hot or uniform weights) or the long-double oracle's. NaN and
+// +inf propagation is in test_tiled.cpp ("NaN and +inf propagate to the affected rows only",
+// "a NaN query row poisons only the gradients of what it saw").
+#include <sdpa/sdpa.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "support/cases.hpp"
+
+using namespace sdpa_test;
+using sdpa::Index;
+namespace mask = sdpa::mask;
+namespace scale = sdpa::scale;
+
+TEMPLATE_TEST_CASE("logits near and past the fp32 exp limit stay finite  [seed C13]", "[extreme]", float, double) {
+  using T = TestType;
+  // One query, keys whose unscaled logits are q.k = s * (0, 1, 2, 3) for s around ln(FLT_MAX).
+  for (const double s : {80.0, 88.7, 88.8, 100.0, 1e4, 1e30}) {
+    DYNAMIC_SECTION("logit spacing " << s) {
+      Mat<T> q(1, 1), k(4, 1);
+      q << T(s);
+      k << T(0), T(1), T(2), T(3);
+      const Mat<T> v = randn<T>(4, 3, 11);
+      forEachKernel([&](const auto& kern, const char* name) {
+        INFO(name);
+        const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::None{});
+        const auto gold = referenceAttention<long double>(q, k, v, 1.0L);
+        CHECK(fwd.output.allFinite());
+        CHECK(std::isfinite(double(fwd.logSumExp(0))));
+        // Spacing >= 80 puts all but 1e-34 of the weight on the last key: the output is its v row.
+        CHECK(maxAbsDiff(fwd.output, gold.output.template cast<double>()) <= errorBound<T>(0, v.cwiseAbs().maxCoeff()));
+        const double lse = double(gold.logSumExp(0));
+        CHECK(std::abs(double(fwd.logSumExp(0)) - lse) <= 8 * double(std::numeric_limits<T>::epsilon()) * lse);
+      });
+    }
+  }
+}
+
+TEST_CASE("1e30 magnitudes: finite logits give a one-hot row, overflowing ones a NaN row  [seed C13]", "[extreme]") {
+  Mat<float> v(2, 2);
+  v << 1, 2, 3, 4;
+  // q.k = 1e30 * (1, 2): finite in float, the softmax is one-hot on key 1, lse = 2e30.
+  Mat<float> k(2, 1);
+  k << 1, 2;
+  const Mat<float> q = Mat<float>::Constant(3, 1, 1e30f);
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::None{});
+    CHECK((fwd.output.col(0).array() == 3.0f).all());
+    CHECK((fwd.output.col(1).array() == 4.0f).all());
+    CHECK((fwd.logSumExp.array() == 2e30f).all());
+  });
+  // Row 1 only: q.k = 1e20 * 2e20 = 2e40 overflows float to +inf, a visible +inf logit, so that
+  // row is NaN (NUMERICS.md) and row 0 is untouched; in double both rows are finite.
+  Mat<float> q2(2, 1), k2(2, 1);
+  q2 << 1, 1e20f;
+  k2 << 1, 2e20f;
+  k2(0, 0) = 1e-30f;
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q2, k2, v, scale::None{});
+    CHECK(fwd.output.row(0) == v.row(1));  // logits (1e-30, 2e20): one-hot on key 1
+    CHECK(std::isnan(fwd.output(1, 0)));
+    CHECK(std::isnan(fwd.output(1, 1)));
+    const auto fwdD = sdpa::attentionForward(kern, q2.cast<double>().eval(), k2.cast<double>().eval(),
+                                             v.cast<double>().eval(), scale::None{});
+    CHECK(fwdD.output.allFinite());
+    CHECK(fwdD.output.row(1) == v.row(1).cast<double>());
+  });
+}
+
+TEMPLATE_TEST_CASE("all-equal logits give uniform weights and logSumExp = c + log n_k", "[extreme]", float, double) {
+  using T = TestType;
+  const Index nK = 1000;
+  const Mat<T> q = Mat<T>::Constant(3, 8, T(0.5)), k = Mat<T>::Constant(nK, 8, T(2));  // logits 8 for every key
+  const Mat<T> v = randn<T>(nK, 5, 12);
+  const Mat<T> mean = v.colwise().mean();
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::None{});
+    // Summing n_k terms: (n_k + 2) eps of the largest |v| bounds the error of any order.
+    const double bound = double(nK + 2) * double(std::numeric_limits<T>::epsilon()) * double(v.cwiseAbs().maxCoeff());
+    for (Index i = 0; i < 3; ++i) CHECK(maxAbsDiff(fwd.output.row(i), mean) <= bound);
+    const double lse = 8.0 + std::log(double(nK));
+    CHECK((fwd.logSumExp.template cast<double>().array() - lse).abs().maxCoeff() <=
+          8 * double(std::numeric_limits<T>::epsilon()) * lse);
+  });
+}
+
+TEMPLATE_TEST_CASE("n_k = 1: the weight is exactly 1, for any logit", "[extreme]", float, double) {
+  using T = TestType;
+  Mat<T> q(4, 2), k(1, 2), v(1, 3);
+  q << 1, 2, -1e6, 3, 1e-40, 0, 1e15, 1e15;
+  k << 1e10, -2;
+  v << 1.5, -2.5, 1e-30;
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::None{});
+    for (Index i = 0; i < 4; ++i) {
+      INFO("row " << i);
+      CHECK(fwd.output.row(i) == v.row(0));
+    }
+  });
+}
+
+TEMPLATE_TEST_CASE("d_k = 1 and denormal queries", "[extreme]", float, double) {
+  using T = TestType;
+  const Mat<T> k = randn<T>(37, 1, 13), v = randn<T>(37, 4, 14);
+  Mat<T> q = randn<T>(9, 1, 15);
+  q(3, 0) = std::numeric_limits<T>::denorm_min();
+  q(4, 0) = std::numeric_limits<T>::min() / T(8);  // a denormal
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    checkForwardWith<T>(kern, q, k, v, scale::InvSqrtDk{}, mask::None{}, 1.0L, allVisible(), noBias());
+    // A denormal query gives logits that round to 0 against O(1) keys: uniform weights.
+    const auto fwd = sdpa::attentionForward(kern, q, k, v);
+    const Mat<T> mean = v.colwise().mean();
+    const double bound = 39 * double(std::numeric_limits<T>::epsilon()) * double(v.cwiseAbs().maxCoeff());
+    CHECK(maxAbsDiff(fwd.output.row(3), mean) <= bound);
+  });
+}
+
+TEST_CASE("a million keys for one query, decoding and naive, against the oracle", "[extreme][decode]") {
+  const Index nK = 1000000;
+  const Mat<float> q = randn<float>(1, 16, 16), k = randn<float>(nK, 16, 17), v = randn<float>(nK, 8, 18);
+  const auto gold = referenceAttention<long double>(q, k, v, 0.25L);
+  const auto naive = referenceAttention<float>(q, k, v, 0.25L);
+  const Mat<double> goldOut = gold.output.cast<double>();
+  const double naiveErr = maxAbsDiff(naive.output, goldOut), scaleOut = goldOut.cwiseAbs().maxCoeff();
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v);
+    INFO("error " << maxAbsDiff(fwd.output, goldOut) << ", naive float loop " << naiveErr);
+    CHECK(maxAbsDiff(fwd.output, goldOut) <= errorBound<float>(naiveErr, scaleOut));
+    const double lse = double(gold.logSumExp(0));
+    CHECK(std::abs(double(fwd.logSumExp(0)) - lse) <=
+          errorBound<float>(std::abs(double(naive.logSumExp(0)) - lse), std::abs(lse)));
+  });
+}
+
+TEMPLATE_TEST_CASE("fully masked rows: output 0, logSumExp -inf, zero gradients, by every hiding mask", "[extreme]",
+                   float, double) {
+  using T = TestType;
+  const Mat<T> q = randn<T>(5, 4, 19), k = randn<T>(7, 4, 20), v = randn<T>(7, 3, 21), dOut = randn<T>(5, 3, 22);
+  Eigen::Matrix<bool, -1, -1> keep = Eigen::Matrix<bool, -1, -1>::Constant(5, 7, true);
+  keep.row(2).setConstant(false);
+  Mat<T> bias = Mat<T>::Zero(5, 7);
+  bias.row(2).setConstant(-std::numeric_limits<T>::infinity());
+  auto check = [&](const auto& kern, const auto& m, Index maskedRow) {
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::InvSqrtDk{}, m);
+    CHECK(fwd.logSumExp(maskedRow) == -std::numeric_limits<T>::infinity());
+    CHECK((fwd.output.row(maskedRow).array() == T(0)).all());
+    CHECK(fwd.output.allFinite());
+    const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dOut, scale::InvSqrtDk{}, m);
+    CHECK((g.dq.row(maskedRow).array() == T(0)).all());
+    CHECK(g.dq.allFinite());
+    CHECK(g.dk.allFinite());
+    CHECK(g.dv.allFinite());
+    CHECK(std::isfinite(double(g.dscale)));
+  };
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    check(kern, mask::Keep{keep}, 2);
+    check(kern, mask::Bias{bias}, 2);
+    check(kern, mask::combine(mask::KeyLength{0}), 0);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::InvSqrtDk{}, mask::KeyLength{0});
+    const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dOut, scale::InvSqrtDk{}, mask::KeyLength{0});
+    CHECK(g.dk.isZero(0));  // no key is seen by any row
+    CHECK(g.dv.isZero(0));
+  });
+}
+
+TEST_CASE("backward: products that overflow at hidden positions do not leak into the gradients",
+          "[extreme][backward]") {
+  // Causal, 6 x 6. Key 3's v is near FLT_MAX: dP = dO v^T overflows to inf in rows 0-2 (dO = 2),
+  // where key 3 is hidden. Query 2 is near FLT_MAX: with tau = 7 the folded tau q overflows,
+  // and is multiplied by the zero dS of the keys row 2 does not see. Both are finite inputs
+  // (found by tests/fuzz); row 2 itself overflows in every kernel.
+  Mat<float> q = randn<float>(6, 2, 23), k = randn<float>(6, 2, 24), v = randn<float>(6, 3, 25);
+  Mat<float> dOut = Mat<float>::Constant(6, 3, 2.0f);
+  dOut.bottomRows(3).setConstant(0.5f);
+  v(3, 0) = 3e38f;
+  q(2, 0) = 3e38f;
+  const auto causal = mask::Causal{mask::Align::UpperLeft};
+  for (const double tau : {1.0, 7.0}) {
+    DYNAMIC_SECTION("tau " << tau) {
+      const scale::Constant sc{tau};
+      const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, sc, causal);
+      const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, sc, causal);
+      forEachKernel([&](const auto& kern, const char* name) {
+        INFO(name);
+        const auto fwd = sdpa::attentionForward(kern, q, k, v, sc, causal);
+        const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dOut, sc, causal);
+        for (Index i = 0; i < 6; ++i) {
+          INFO("row " << i);
+          CHECK(g.dq.row(i).allFinite() == gN.dq.row(i).allFinite());
+          CHECK(g.dk.row(i).allFinite() == gN.dk.row(i).allFinite());
+          CHECK(g.dv.row(i).allFinite() == gN.dv.row(i).allFinite());
+          if (i < 2) CHECK(g.dq.row(i).allFinite());
+          if (i >= 3) CHECK((g.dk.row(i).allFinite() && g.dv.row(i).allFinite()));
+        }
+      });
+    }
+  }
+}
