@@ -1,0 +1,196 @@
+// Gradient checks of the experiment's layers (experiments/char_lm, seed C11): each backward
+// against central finite differences in double, then the whole model, whose attention is sdpa's,
+// under each scale policy the experiment trains with (including dL/dtau of a learnable scale).
+#include <catch2/catch.hpp>
+
+#include <char_lm/layers.hpp>
+#include <char_lm/model.hpp>
+
+#include <functional>
+#include <random>
+
+namespace {
+
+using Mat = Eigen::MatrixXd;
+using char_lm::Index;
+
+Mat randn(Index rows, Index cols, std::mt19937_64& gen, double scale = 1.0) {
+  std::normal_distribution<double> dist(0.0, scale);
+  Mat m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = dist(gen);
+  return m;
+}
+
+// Central differences with step h: truncation error ~ h^2 |f'''| / 6 (1e-10 here for O(1)
+// third derivatives), rounding ~ eps |f| / h (1e-11): a 1e-7 tolerance leaves a wide margin
+// and still catches any wrong term, whose error is O(1).
+constexpr double kStep = 1e-5;
+constexpr double kTolerance = 1e-7;
+
+/// Checks `analytic` = d loss / d x entry by entry (all of them, or every `stride`-th).
+void checkGradient(const std::function<double()>& loss, Mat& x, const Mat& analytic, const char* what,
+                   Index stride = 1) {
+  INFO(what);
+  REQUIRE(analytic.rows() == x.rows());
+  REQUIRE(analytic.cols() == x.cols());
+  for (Index i = 0; i < x.size(); i += stride) {
+    const double saved = x.data()[i];
+    x.data()[i] = saved + kStep;
+    const double up = loss();
+    x.data()[i] = saved - kStep;
+    const double down = loss();
+    x.data()[i] = saved;
+    const double numeric = (up - down) / (2 * kStep);
+    INFO("entry " << i << ": analytic " << analytic.data()[i] << ", numeric " << numeric);
+    CHECK(std::abs(analytic.data()[i] - numeric) <= kTolerance * std::max(1.0, std::abs(numeric)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("char_lm: linear layer gradients  [seed C11]") {
+  std::mt19937_64 gen(1);
+  Mat x = randn(5, 4, gen), w = randn(4, 3, gen), b = randn(1, 3, gen);
+  const Mat r = randn(5, 3, gen);  // loss = sum(r .* y), so dL/dy = r
+  Mat y;
+  auto loss = [&] {
+    char_lm::linearForward(x, w, b, y);
+    return (r.array() * y.array()).sum();
+  };
+  Mat dw = Mat::Zero(4, 3), db = Mat::Zero(1, 3), dx;
+  char_lm::linearBackward(x, w, r, dw, db, &dx);
+  checkGradient(loss, x, dx, "dx");
+  checkGradient(loss, w, dw, "dw");
+  checkGradient(loss, b, db, "db");
+}
+
+TEST_CASE("char_lm: LayerNorm gradients  [seed C11]") {
+  std::mt19937_64 gen(2);
+  Mat x = randn(6, 8, gen, 3.0), g = randn(1, 8, gen), b = randn(1, 8, gen);
+  x.row(2).array() += 50.0;  // a large mean must not matter
+  const Mat r = randn(6, 8, gen);
+  Mat y;
+  char_lm::LayerNormCache<double> cache;
+  auto loss = [&] {
+    char_lm::layerNormForward(x, g, b, y, cache);
+    return (r.array() * y.array()).sum();
+  };
+  loss();
+  CHECK(cache.xhat.rowwise().mean().cwiseAbs().maxCoeff() < 1e-12);
+  // The biased variance, as PyTorch: each normalised row has mean square var / (var + eps).
+  CHECK(std::abs(cache.xhat.row(0).squaredNorm() / 8 - 1) < 1e-4);
+  Mat dg = Mat::Zero(1, 8), db = Mat::Zero(1, 8), dx;
+  char_lm::layerNormBackward(r, g, cache, dg, db, dx);
+  checkGradient(loss, x, dx, "dx");
+  checkGradient(loss, g, dg, "dg");
+  checkGradient(loss, b, db, "db");
+}
+
+TEST_CASE("char_lm: GELU gradient  [seed C11]") {
+  std::mt19937_64 gen(3);
+  Mat x = randn(4, 7, gen, 2.0);
+  x(0, 0) = 0;
+  x(0, 1) = -6;
+  x(0, 2) = 6;
+  const Mat r = randn(4, 7, gen);
+  Mat y;
+  auto loss = [&] {
+    char_lm::geluForward(x, y);
+    return (r.array() * y.array()).sum();
+  };
+  loss();
+  CHECK(y(0, 0) == 0.0);
+  CHECK(std::abs(y(0, 2) - 6.0) < 1e-9);  // GELU(x) -> x for large x (1 - tanh(12.5) ~ 3e-11), -> 0 below
+  CHECK(std::abs(y(0, 1)) < 1e-9);
+  Mat dx;
+  char_lm::geluBackward(x, r, dx);
+  checkGradient(loss, x, dx, "dx");
+}
+
+TEST_CASE("char_lm: embedding gradients  [seed C11]") {
+  std::mt19937_64 gen(4);
+  const std::vector<int> tokens{3, 0, 3, 1, 2, 3};  // two sequences of 3, token 3 repeated
+  Mat wte = randn(4, 5, gen), wpe = randn(3, 5, gen);
+  const Mat r = randn(6, 5, gen);
+  Mat x;
+  auto loss = [&] {
+    char_lm::embeddingForward(tokens, 3, wte, wpe, x);
+    return (r.array() * x.array()).sum();
+  };
+  Mat dwte = Mat::Zero(4, 5), dwpe = Mat::Zero(3, 5);
+  char_lm::embeddingBackward(tokens, 3, r, dwte, dwpe);
+  checkGradient(loss, wte, dwte, "dwte");
+  checkGradient(loss, wpe, dwpe, "dwpe");
+}
+
+TEST_CASE("char_lm: cross-entropy value and gradient  [seed C11]") {
+  std::mt19937_64 gen(5);
+  Mat logits = randn(5, 6, gen, 2.0);
+  logits(1, 2) = 80;  // a saturated row: the max-shift keeps it finite
+  const std::vector<int> targets{0, 2, 5, 1, 1};
+  Mat dlogits;
+  const double value = char_lm::crossEntropy(logits, targets, &dlogits);
+  double expected = 0;
+  for (Index t = 0; t < 5; ++t) {
+    const double mx = logits.row(t).maxCoeff();
+    expected += std::log((logits.row(t).array() - mx).exp().sum()) + mx - logits(t, targets[size_t(t)]);
+  }
+  CHECK(std::abs(value - expected / 5) < 1e-14 * std::max(1.0, value));
+  // Uniform logits give log(V).
+  CHECK(std::abs(char_lm::crossEntropy<double>(Mat::Zero(2, 6), {1, 4}, nullptr) - std::log(6.0)) < 1e-15);
+  checkGradient([&] { return char_lm::crossEntropy<double>(logits, targets, nullptr); }, logits, dlogits, "dlogits");
+}
+
+TEST_CASE("char_lm: AdamW follows the PyTorch update rule") {
+  char_lm::Param<double> p("w", Mat::Constant(2, 2, 1.0), true);
+  p.grad << 0.5, -2.0, 1e-3, 0.0;
+  char_lm::AdamWConfig c;
+  c.lr = 0.1;
+  c.weightDecay = 0.5;
+  char_lm::adamWStep(p, c, 1);
+  // Step 1: m_hat = g, v_hat = g^2, so w <- w (1 - lr wd) - lr g / (|g| + eps).
+  Mat expected(2, 2);
+  for (Index i = 0; i < 4; ++i) {
+    const double g = p.grad.data()[i];
+    expected.data()[i] = 1.0 * (1 - 0.05) - 0.1 * g / (std::abs(g) + c.eps);
+  }
+  CHECK((p.value - expected).cwiseAbs().maxCoeff() < 1e-15);
+  char_lm::Param<double> bias("b", Mat::Constant(1, 1, 1.0), false);
+  bias.grad(0, 0) = 0;
+  char_lm::adamWStep(bias, c, 1);
+  CHECK(bias.value(0, 0) == 1.0);  // no decay for biases, no move without gradient
+}
+
+TEMPLATE_TEST_CASE("char_lm: whole-model gradients through sdpa's attention  [seed C11][seed C17]", "",
+                   sdpa::scale::InvSqrtDk, sdpa::scale::None, sdpa::scale::Learnable<double>) {
+  char_lm::ModelConfig cfg;
+  cfg.vocab = 7;
+  cfg.seqLen = 5;
+  cfg.dModel = 8;
+  cfg.heads = 2;
+  std::mt19937_64 gen(6);
+  TestType scale{};
+  if constexpr (TestType::IsLearnable) scale.setValue(0.7);
+  char_lm::Model<double, TestType> model(cfg, scale, gen);
+  const std::vector<int> tokens{1, 4, 4, 0, 6, 2, 2, 5, 3, 0}, targets{4, 4, 0, 6, 2, 2, 5, 3, 0, 1};
+  model.zeroGrad();
+  model.forward(tokens, targets);
+  model.backward();
+  auto loss = [&] { return model.loss(tokens, targets); };
+  for (auto& p : model.params()) {
+    const Mat analytic = p.grad;
+    checkGradient(loss, p.value, analytic, p.name.c_str(), p.value.size() > 40 ? 3 : 1);
+  }
+  if constexpr (TestType::IsLearnable) {
+    const double tau = model.tau(), analytic = model.scale().grad();
+    model.scale().setValue(tau + kStep);
+    const double up = loss();
+    model.scale().setValue(tau - kStep);
+    const double down = loss();
+    model.scale().setValue(tau);
+    const double numeric = (up - down) / (2 * kStep);
+    INFO("dL/dtau analytic " << analytic << ", numeric " << numeric);
+    CHECK(std::abs(analytic - numeric) <= kTolerance * std::max(1.0, std::abs(numeric)));
+    CHECK(analytic != 0.0);
+  }
+}
