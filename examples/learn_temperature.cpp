@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <random>
 
 namespace {
@@ -21,7 +22,7 @@ Eigen::MatrixXd randn(Eigen::Index rows, Eigen::Index cols, std::mt19937_64& gen
 
 }  // namespace
 
-int main() {
+static int run() {
   constexpr Eigen::Index dK = 64, nQ = 32, nK = 64, dV = 8, steps = 200;
   constexpr double learningRate = 0.05;
   std::mt19937_64 gen(17);
@@ -57,4 +58,13 @@ int main() {
   std::printf("\nfinal: %.6f from 1/sqrt(d_k), %.6f from 1 (target %.6f)\n", fromDefault.value(), fromOne.value(),
               tauStar);
   return 0;
+}
+
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }

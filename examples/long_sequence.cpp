@@ -11,9 +11,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   const Eigen::Index n = argc > 1 ? std::atol(argv[1]) : 65536, d = argc > 2 ? std::atol(argv[2]) : 64;
   const bool causal = argc > 3 && std::string(argv[3]) == "causal";
   if (n < 1 || d < 1) {
@@ -38,4 +39,13 @@ int main(int argc, char** argv) {
   std::printf("output checksum %.6f, all finite: %s\n", double(fwd.output.sum()),
               fwd.output.allFinite() ? "yes" : "no");
   return fwd.output.allFinite() ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }

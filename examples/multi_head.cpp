@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <random>
 
 namespace {
@@ -35,7 +36,7 @@ double meanEntropyFraction(const Eigen::MatrixXf& q, const Eigen::MatrixXf& k, c
 
 }  // namespace
 
-int main() {
+static int run() {
   std::mt19937_64 gen(7);
   constexpr Eigen::Index H = 8, hKv = 2, dK = 16, dV = 16, dModel = H * dK;
 
@@ -80,4 +81,13 @@ int main() {
       "and the attention drifts towards uniform.\n",
       std::sqrt(double(H)), 1.0 / std::sqrt(double(H)));
   return 0;
+}
+
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }

@@ -95,8 +95,10 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
                                Matrix<Scalar>::Zero(v.rows(), v.cols()),
                                Vector<Scalar>::Zero(heads.query),
                                {}};
-  const auto [biasRows, biasCols] = mask::internal::biasMatrixShape(mask);
-  if (biasRows >= 0) g.dbias.setZero(biasRows, biasCols);
+  // Not a structured binding: C++17 lambdas cannot capture those (clang rejects it).
+  const std::pair<Index, Index> biasShape = mask::internal::biasMatrixShape(mask);
+  const Index biasRows = biasShape.first;
+  if (biasRows >= 0) g.dbias.setZero(biasRows, biasShape.second);
   if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
     backwardTiled<Scalar>(kern, q, k, v, o, lse, dO, layout, heads, dims, scale, mask, dropout, g.dq, g.dk, g.dv,
                           g.dscale, biasRows >= 0 ? &g.dbias : nullptr);

@@ -155,15 +155,16 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
   dropout.check("sdpa::attentionForward");
   ForwardResult<Out> result{internal::Matrix<Out>(q.rows(), v.cols()),
                             internal::Vector<internal::Accumulator<In>>(q.rows())};
-  if constexpr (std::is_same_v<Kernel, kernel::Naive>) {
-    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
-  } else if (sink) {
-    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
-  } else {
-    internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
-                                    internal::HeadDims{q.cols(), v.cols()}, scale, mask, dropout, result.output,
-                                    result.logSumExp);
+  if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
+    if (!sink) {
+      internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
+                                      internal::HeadDims{q.cols(), v.cols()}, scale, mask, dropout, result.output,
+                                      result.logSumExp);
+      return result;
+    }
   }
+  // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
+  internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
   return result;
 }
 

@@ -192,6 +192,7 @@ struct KeyLength {
   template <typename Derived>
   void apply(const Eigen::MatrixBase<Derived>& tile_, Index, Index col0, Index, Index, Index = 0) const {
     auto& tile = internal::writable(tile_);
+    if (tile.size() == 0) return;  // an empty tile may have no data: no block of it
     const Index first = std::clamp<Index>(length - col0, 0, tile.cols());
     tile.rightCols(tile.cols() - first).setConstant(-std::numeric_limits<typename Derived::Scalar>::infinity());
   }

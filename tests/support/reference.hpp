@@ -61,7 +61,7 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
       nan = nan || std::isnan(s[size_t(j)]);
     }
     if (nan) {  // a NaN logit it can see makes the row NaN (NUMERICS.md)
-      r.output.row(i).setConstant(std::numeric_limits<T>::quiet_NaN());
+      if (dV) r.output.row(i).setConstant(std::numeric_limits<T>::quiet_NaN());  // no row() of null data
       r.logSumExp(i) = std::numeric_limits<T>::quiet_NaN();
       continue;
     }

@@ -70,7 +70,7 @@ struct backward_naive_impl {
     // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = sum_j P_ij dP_ij = dO_i . O_i
     // (softmaxJacobianVjp row by row). Where P is 0 (hidden) dL is 0 even if dP is NaN there.
     for (Index i = 0; i < nQ; ++i) {
-      const Scalar d = dO.row(i).dot(o.row(i));
+      const Scalar d = dO.cols() ? dO.row(i).dot(o.row(i)) : Scalar(0);  // d_v = 0: no row() of null data
       auto p = s.p.row(i).array();
       auto dp = s.dp.row(i).array();
       dp = (p == Scalar(0)).select(Scalar(0), p * (dp - d));

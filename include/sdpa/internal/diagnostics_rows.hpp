@@ -62,9 +62,8 @@ template <typename DQ, typename DK>
 HeadInputs headInputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, double tau) {
   const auto variance = [](const auto& m) {
     if (m.size() == 0) return 0.0;
-    const auto md = m.template cast<double>();
-    const double mean = md.mean();
-    return (md.array() - mean).square().mean();
+    const double mean = m.template cast<double>().mean();
+    return (m.template cast<double>().array() - mean).square().mean();
   };
   return HeadInputs{q.cols(), k.rows(), tau, variance(q), variance(k)};
 }

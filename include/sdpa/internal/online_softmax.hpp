@@ -91,15 +91,16 @@ class OnlineSoftmax {
     auto a = acc();
     auto m = max();
     auto l = sum();
+    const bool hasOut = out.cols() > 0;  // d_v = 0: out may be a null block, no row() of it
     for (Index i = 0; i < m_rows; ++i) {
       if (m_bad[size_t(i)]) {
-        out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
+        if (hasOut) out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
         lse(i) = std::numeric_limits<Lse>::quiet_NaN();
       } else if (m(i) == -kInf) {
-        out.row(i).setZero();
+        if (hasOut) out.row(i).setZero();
         lse(i) = -std::numeric_limits<Lse>::infinity();
       } else {
-        out.row(i) = (a.row(i) * (Acc(1) / l(i))).template cast<Out>();
+        if (hasOut) out.row(i) = (a.row(i) * (Acc(1) / l(i))).template cast<Out>();
         lse(i) = Lse(m(i) + std::log(l(i)));
       }
     }

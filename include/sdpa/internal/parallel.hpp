@@ -69,8 +69,10 @@ void parallelFor(Index n, int threads, F&& f) {
 template <typename T>
 class Buffer {
  public:
+  /// At least n elements, never a null pointer (a 0-column Map over null data would make its
+  /// row() offset a null pointer, undefined behaviour).
   T* get(Index n) {
-    if (m_data.size() < n) m_data.resize(n);
+    if (m_data.size() < std::max<Index>(n, 1)) m_data.resize(std::max<Index>(n, 1));
     return m_data.data();
   }
 
