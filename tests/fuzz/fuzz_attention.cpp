@@ -1,0 +1,495 @@
+// libFuzzer harness: decodes a shape, values (huge, tiny, denormal, inf, NaN among ordinary
+// ones), a scale policy, a mask, a head layout and a kernel from the input, runs sdpa's forward
+// (single-head, multi-head, batched) and backward passes in float and double, and checks them
+// against the long-double oracle of tests/support/reference.hpp:
+//
+// - a row that the plain loop in the same precision computes finitely must come out finite from
+//   every kernel, within the FlashAttention rule (2x the plain loop's error + 8 ulps of the row);
+// - a fully masked row gives exactly 0 and logSumExp -inf;
+// - a row the plain loop cannot compute (overflow, NaN or inf it can see) may be anything, but
+//   the other rows may not change: special values stay in their rows;
+// - the tiled backward agrees with the naive backward as in tests/test_tiled.cpp, whenever the
+//   naive one is finite.
+//
+// Built with clang -fsanitize=fuzzer,address,undefined as `fuzz_attention` by the `fuzz` preset,
+// whose test replays the committed corpus (tests/fuzz/corpus). A failed check prints the case
+// and aborts, which libFuzzer reports as a crash with the input saved.
+#include <sdpa/sdpa.hpp>
+
+#include <support/reference.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using sdpa_test::BiasFn;
+using sdpa_test::Index;
+using sdpa_test::Mat;
+using sdpa_test::VisibleFn;
+
+/// Reads the fuzz input front to back; past its end every read returns 0.
+class Bytes {
+ public:
+  Bytes(const uint8_t* data, size_t size) : m_data(data), m_size(size) {}
+  uint8_t byte() { return m_pos < m_size ? m_data[m_pos++] : 0; }
+  int below(int n) { return byte() % n; }
+  /// An input value: mostly ordinary numbers in [-4, 4), sometimes an extreme or special one.
+  double value() {
+    const uint8_t c = byte();
+    switch (c) {
+      case 240:
+        return std::numeric_limits<double>::infinity();
+      case 241:
+        return -std::numeric_limits<double>::infinity();
+      case 242:
+        return std::numeric_limits<double>::quiet_NaN();
+      case 243:
+        return 1e30;
+      case 244:
+        return -1e30;
+      case 245:
+        return 1e-30;
+      case 246:
+        return 1e-40;  // a float denormal
+      case 247:
+        return 88.8;  // just past fp32's exp limit
+      case 248:
+        return 1e4;
+      case 249:
+        return -1e4;
+      case 250:
+        return 3.0e38;  // near FLT_MAX
+      case 251:
+        return 0.0;
+      default:
+        return (double(c) * 256.0 + double(byte())) / 8192.0 - 4.0;
+    }
+  }
+
+ private:
+  const uint8_t* m_data;
+  size_t m_size;
+  size_t m_pos = 0;
+};
+
+[[noreturn]] void fail(const std::string& what, const std::string& detail) {
+  std::fprintf(stderr, "fuzz_attention: %s: %s\n", what.c_str(), detail.c_str());
+  std::abort();
+}
+
+/// What the fuzz input asks for, independent of the scalar type.
+struct Case {
+  Index nQ = 0, nK = 0, dK = 0, dV = 0;
+  int maskKind = 0, scaleKind = 0, kernelKind = 0;
+  Index window = 0, keyLength = 0, blockQ = 1, blockK = 1;
+  double scaleParam = 1, softcap = 1;
+  Mat<double> q, k, v, bias;
+  Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic> keep;
+  std::string describe() const {
+    return "n_q " + std::to_string(nQ) + ", n_k " + std::to_string(nK) + ", d_k " + std::to_string(dK) + ", d_v " +
+           std::to_string(dV) + ", mask " + std::to_string(maskKind) + ", scale " + std::to_string(scaleKind) + " (" +
+           std::to_string(scaleParam) + "), kernel " + std::to_string(kernelKind) + " (" + std::to_string(blockQ) +
+           "x" + std::to_string(blockK) + ")";
+  }
+};
+
+Mat<double> values(Bytes& in, Index rows, Index cols) {
+  Mat<double> m(rows, cols);
+  for (Index c = 0; c < cols; ++c)
+    for (Index r = 0; r < rows; ++r) m(r, c) = in.value();
+  return m;
+}
+
+Case decode(Bytes& in) {
+  Case c;
+  c.nQ = in.below(13);
+  c.nK = in.below(41);
+  if (in.below(16) == 0) c.nK += 600;  // more keys than one default tile
+  c.dK = in.below(10);
+  c.dV = in.below(10);
+  c.maskKind = in.below(11);
+  c.scaleKind = in.below(5);
+  c.scaleParam = 0.05 + double(in.byte()) / 32.0;
+  c.kernelKind = in.below(3);
+  c.blockQ = 1 + in.below(9);
+  c.blockK = 1 + in.below(17);
+  c.window = in.below(6);
+  c.keyLength = c.nK ? in.below(int(c.nK) + 1) : 0;
+  c.softcap = 0.5 + double(in.byte()) / 8.0;
+  c.q = values(in, c.nQ, c.dK);
+  c.k = values(in, c.nK, c.dK);
+  c.v = values(in, c.nK, c.dV);
+  if (c.maskKind == 5) c.bias = values(in, c.nQ, c.nK);
+  if (c.maskKind == 6) {
+    c.keep.resize(c.nQ, c.nK);
+    for (Index i = 0; i < c.keep.size(); ++i) c.keep.data()[i] = in.below(4) != 0;
+  }
+  return c;
+}
+
+long double tauOf(const Case& c) {
+  switch (c.scaleKind) {
+    case 0:
+      return c.dK > 0 ? 1.0L / std::sqrt((long double)c.dK) : 1.0L;
+    case 1:
+      return 1.0L;
+    case 2:
+      return (long double)c.scaleParam;
+    case 3:
+      return 1.0L / (long double)c.scaleParam;
+    default:
+      return (long double)(float)c.scaleParam;  // a Learnable<float> stores a float
+  }
+}
+
+/// Calls f(scale, mask, visible, bias, softcap) with the policy and mask the case asks for and
+/// the oracle's description of the same mask.
+template <typename T, typename F>
+void withPolicies(const Case& c, const Mat<T>& bias, const F& f) {
+  using sdpa::mask::Align;
+  namespace mask = sdpa::mask;
+  const Index nQ = c.nQ, nK = c.nK, w = c.window, len = c.keyLength;
+  const Index lr = nK - nQ;  // the lower-right diagonal offset
+  auto withScale = [&](const auto& m, const VisibleFn& vis, const BiasFn& b, long double cap) {
+    // Three policy types for five tau values: InvSqrtDk, Constant and Temperature differ only in
+    // value() (one code path; instantiating each would triple the harness's compile time), None
+    // is the identity path and Learnable the accumulating one.
+    switch (c.scaleKind) {
+      case 1:
+        return f(sdpa::scale::None{}, m, vis, b, cap);
+      case 4:
+        return f(sdpa::scale::Learnable<float>{float(c.scaleParam)}, m, vis, b, cap);
+      default:
+        return f(sdpa::scale::Constant{double(tauOf(c))}, m, vis, b, cap);
+    }
+  };
+  const VisibleFn all = sdpa_test::allVisible();
+  const BiasFn none = sdpa_test::noBias();
+  switch (c.maskKind) {
+    case 0:
+      return withScale(mask::None{}, all, none, 0);
+    case 1:
+      return withScale(
+          mask::Causal{Align::UpperLeft}, [](Index i, Index j) { return j <= i; }, none, 0);
+    case 2:
+      return withScale(
+          mask::Causal{Align::LowerRight}, [=](Index i, Index j) { return j <= i + lr; }, none, 0);
+    case 3:
+      return withScale(
+          mask::SlidingWindow{w, 1, Align::LowerRight},
+          [=](Index i, Index j) { return j >= i + lr - w && j <= i + lr + 1; }, none, 0);
+    case 4:
+      return withScale(
+          mask::KeyLength{len}, [=](Index, Index j) { return j < len; }, none, 0);
+    case 5:
+      return withScale(
+          mask::Bias{bias}, all, [&](Index i, Index j) { return (long double)bias(i, j); }, 0);
+    case 6: {
+      const auto& keep = c.keep;
+      return withScale(
+          mask::Keep{keep}, [&](Index i, Index j) { return keep(i, j); }, none, 0);
+    }
+    case 7:
+      return withScale(mask::Softcap{c.softcap}, all, none, (long double)c.softcap);
+    case 8: {
+      const double slope = c.scaleParam / 4;
+      return withScale(
+          mask::Alibi{{slope}, Align::UpperLeft}, all,
+          [=](Index i, Index j) { return -(long double)slope * std::abs((long double)(i - j)); }, 0);
+    }
+    case 9:
+      return withScale(
+          mask::combine(mask::Causal{Align::LowerRight}, mask::KeyLength{len}),
+          [=](Index i, Index j) { return j <= i + lr && j < len; }, none, 0);
+    default:
+      return withScale(
+          mask::combine(mask::Softcap{c.softcap}, mask::Causal{Align::UpperLeft}),
+          [](Index i, Index j) { return j <= i; }, none, (long double)c.softcap);
+  }
+}
+
+/// The inputs and both results of row i, for the failure message.
+template <typename T>
+std::string dump(const Case& c, Index i, const Mat<T>& out, const Eigen::Matrix<T, -1, 1>& lse,
+                 const sdpa_test::RefResult<long double>& gold) {
+  std::ostringstream s;
+  s.precision(9);
+  s << "\n  q row: " << c.q.row(i) << "\n  k:\n"
+    << c.k << "\n  v:\n"
+    << c.v << "\n  output: " << out.row(i) << "  lse " << lse(i)
+    << "\n  oracle: " << gold.output.row(i).template cast<double>() << "  lse " << double(gold.logSumExp(i));
+  if (c.bias.size()) s << "\n  bias row: " << c.bias.row(i);
+  return s.str();
+}
+
+/**
+ * First-order rounding analysis in precision T, shared by the forward and backward checks. Any
+ * summation order computes logit s_ij = tau q_i.k_j (+ b_ij) with an error of at most
+ * ds_ij = (d_k + 3) eps S_ij, S_ij = |tau| sum_c |q_ic k_jc| + |b_ij| (+ the cap), so that
+ * kernels which sum in different orders (the plain loop, Eigen's products, tiles with the scale
+ * folded into q) may differ by that much in each logit: the weights by p_ij 2 max_j ds_ij. The
+ * 2x-the-plain-loop rule alone does not hold once logits are large (|s| of 1e2 and beyond), where
+ * the plain loop is right by luck. Exponentials below the smallest normal number are clamped by
+ * Eigen's vectorised exp (e^-88.7 in float), an absolute error of `min` per weight.
+ */
+/// Row dot products that also hold for 0 columns (no row() of a matrix without data).
+double rowDot(const Mat<double>& a, Index i, const Mat<double>& b, Index j) {
+  return a.cols() ? a.row(i).dot(b.row(j)) : 0.0;
+}
+double rowAbsDot(const Mat<double>& a, Index i, const Mat<double>& b, Index j) {
+  return a.cols() ? a.row(i).cwiseAbs().dot(b.row(j).cwiseAbs()) : 0.0;
+}
+
+template <typename T>
+struct Rounding {
+  static constexpr double eps = std::numeric_limits<T>::epsilon();
+  static constexpr double tiny = std::numeric_limits<T>::min();
+  Index nQ, nK;
+  Mat<double> p, ds, dsMax;  // weights (0 where hidden), logit error bound, row maxima of ds (n_q x 1)
+  Mat<double> vMax;          // n_q x 1: max |v_jc| over the keys row i sees
+  std::vector<Index> visibleCount;
+
+  Rounding(const Case& c, long double tau, const VisibleFn& vis, const BiasFn& b, long double cap)
+      : nQ(c.nQ),
+        nK(c.nK),
+        p(Mat<double>::Zero(c.nQ, c.nK)),
+        ds(Mat<double>::Zero(c.nQ, c.nK)),
+        dsMax(Mat<double>::Zero(c.nQ, 1)),
+        vMax(Mat<double>::Zero(c.nQ, 1)),
+        visibleCount(size_t(c.nQ), 0) {
+    const double t = double(tau);
+    for (Index i = 0; i < nQ; ++i) {
+      std::vector<double> sRow(size_t(nK), -INFINITY);
+      double m = -INFINITY;
+      for (Index j = 0; j < nK; ++j) {
+        if (!vis(i, j)) continue;
+        ++visibleCount[size_t(i)];
+        const double raw = t * rowDot(c.q, i, c.k, j);
+        const double sj = (cap > 0 ? double(cap) * std::tanh(raw / double(cap)) : raw) + double(b(i, j));
+        sRow[size_t(j)] = sj;
+        m = std::max(m, sj);
+        const double rawError = double(c.dK + 3) * eps * std::abs(t) * rowAbsDot(c.q, i, c.k, j);
+        double capError = rawError;
+        if (cap > 0) {  // |c tanh(a / c) - c tanh(b / c)| <= |a - b| sup (1 - tanh^2), <= 2c
+          const double x = std::abs(raw) / double(cap), dx = rawError / double(cap);
+          if (!std::isfinite(x) || !std::isfinite(dx))
+            capError = 0;  // saturated: tanh is exactly +-1
+          else
+            capError = double(cap) * std::min(2.0, x > dx ? dx * 4 * std::exp(-2 * (x - dx)) : dx);
+          capError += 2 * eps * double(cap);
+        }
+        // A -inf logit (from an infinite input) is -inf in any summation order: weight exactly 0.
+        ds(i, j) = sj == -INFINITY ? 0.0 : capError + eps * (std::abs(sj) + std::abs(double(b(i, j))));
+        dsMax(i) = std::max(dsMax(i), ds(i, j));
+        if (c.dV) vMax(i) = std::max(vMax(i), c.v.row(j).cwiseAbs().maxCoeff());
+      }
+      if (!std::isfinite(m)) continue;
+      double l = 0;
+      for (Index j = 0; j < nK; ++j)
+        if (vis(i, j)) l += std::exp(sRow[size_t(j)] - m);
+      for (Index j = 0; j < nK; ++j)
+        if (vis(i, j)) p(i, j) = std::exp(sRow[size_t(j)] - m) / l;
+    }
+  }
+  double n(Index i) const { return double(visibleCount[size_t(i)]); }
+  /// Bound on |output_i - exact|: weight errors times |v_j - o_i| <= 2 vMax, plus the sum.
+  double outputFloor(Index i) const { return vMax(i) * (4 * dsMax(i) + (n(i) + 4) * eps + n(i) * tiny); }
+  double lseFloor(Index i, double lse) const { return dsMax(i) + (n(i) + 4) * eps + 8 * eps * std::abs(lse); }
+};
+
+/// The per-row forward oracle check described at the top of the file.
+template <typename T>
+void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::Matrix<T, -1, 1>& lse,
+               const sdpa_test::RefResult<long double>& gold, const sdpa_test::RefResult<T>& naive,
+               const Rounding<T>& rounding) {
+  if (out.rows() != c.nQ || out.cols() != c.dV || lse.size() != c.nQ) fail(what, "wrong result shape; " + c.describe());
+  for (Index i = 0; i < c.nQ; ++i) {
+    // Rows of 0-column results are taken as empty matrices (no row() of a matrix without data).
+    const auto rowOf = [&](const auto& m) {
+      return c.dV ? Mat<double>(m.row(i).template cast<double>()) : Mat<double>(1, 0);
+    };
+    const Mat<double> g = rowOf(gold.output), n = rowOf(naive.output);
+    const double gl = double(gold.logSumExp(i)), nl = double(naive.logSumExp(i));
+    if (std::isinf(gl) && gl < 0) {  // fully masked
+      if (!(lse(i) == -std::numeric_limits<T>::infinity() && (rowOf(out).array() == 0.0).all()))
+        fail(what, "a fully masked row is not 0 / -inf (row " + std::to_string(i) + "); " + c.describe() +
+                       dump(c, i, out, lse, gold));
+      continue;
+    }
+    if (!(n.allFinite() && std::isfinite(nl) && g.allFinite() && std::isfinite(gl))) continue;
+    const Mat<double> o = rowOf(out);
+    const double scale = g.size() ? g.cwiseAbs().maxCoeff() : 0.0;
+    const double err = sdpa_test::maxAbsDiff(o, g), naiveErr = sdpa_test::maxAbsDiff(n, g);
+    const double bound = 2 * naiveErr + std::max(rounding.outputFloor(i), 8 * Rounding<T>::eps * std::max(1.0, scale));
+    if (!(err <= bound))
+      fail(what, "row " + std::to_string(i) + " error " + std::to_string(err) + " > 2 x " + std::to_string(naiveErr) +
+                     " + the rounding floor " + std::to_string(bound - 2 * naiveErr) + "; " + c.describe() +
+                     dump(c, i, out, lse, gold));
+    const double lseErr =
+        sdpa_test::maxAbsDiff(Mat<double>::Constant(1, 1, double(lse(i))), Mat<double>::Constant(1, 1, gl));
+    const double lseNaive = std::abs(nl - gl);
+    if (!(lseErr <= 2 * lseNaive + rounding.lseFloor(i, gl)))
+      fail(what, "row " + std::to_string(i) + " logSumExp error " + std::to_string(lseErr) + "; " + c.describe() +
+                     dump(c, i, out, lse, gold));
+  }
+}
+
+template <typename T, typename Kernel>
+void runForward(const char* what, const Kernel& kern, const Case& c) {
+  const Mat<T> q = c.q.cast<T>(), k = c.k.cast<T>(), v = c.v.cast<T>(), bias = c.bias.cast<T>();
+  withPolicies<T>(
+      c, bias, [&](const auto& scale, const auto& mask, const VisibleFn& vis, const BiasFn& b, long double cap) {
+        const long double tau = tauOf(c);
+        const auto gold = sdpa_test::referenceAttention<long double>(q, k, v, tau, vis, b, cap);
+        const auto naive = sdpa_test::referenceAttention<T>(q, k, v, tau, vis, b, cap);
+        const auto fwd = sdpa::attentionForward(kern, q, k, v, scale, mask);
+        checkRows<T>(what, c, fwd.output, fwd.logSumExp, gold, naive, Rounding<T>(c, tau, vis, b, cap));
+
+        // Two heads side by side (head 1 = head 0 reversed in rows of q) must each equal a single
+        // head call: multi-head is bitwise the same computation per head.
+        if (c.maskKind != 5 && c.maskKind != 6 && c.maskKind != 8) {
+          Mat<T> q2(c.nQ, 2 * c.dK), k2(c.nK, 2 * c.dK), v2(c.nK, 2 * c.dV);
+          q2 << q, q.colwise().reverse();
+          k2 << k, k;
+          v2 << v, v;
+          const auto multi = sdpa::multiHeadAttentionForward(kern, q2, k2, v2, sdpa::Heads{2}, scale, mask);
+          const auto second = sdpa::attentionForward(kern, Mat<T>(q.colwise().reverse()), k, v, scale, mask);
+          const Mat<T> m0 = multi.output.leftCols(c.dV), m1 = multi.output.rightCols(c.dV);
+          if (!(m0.array() == fwd.output.array() || (m0.array().isNaN() && fwd.output.array().isNaN())).all() ||
+              !(m1.array() == second.output.array() || (m1.array().isNaN() && second.output.array().isNaN())).all())
+            fail(what, "a head of a multi-head call differs from the single-head call; " + c.describe());
+        }
+      });
+}
+
+/// Elementwise bounds on the gradients' rounding errors in T (first order, see Rounding): the
+/// weights' errors and the errors of dP = dO v^T and D = rowsum(dO * O) enter dS = P (dP - D),
+/// which enters dq = tau dS k, dk = tau dS^T q, dv = P^T dO with the sums' own rounding.
+template <typename T>
+struct GradientBounds {
+  Mat<double> q, k, v;
+  GradientBounds(const Case& c, long double tau, const VisibleFn& vis, const BiasFn& b, long double cap,
+                 const Mat<double>& dOut) {
+    const Rounding<T> r(c, tau, vis, b, cap);
+    const double eps = Rounding<T>::eps, t = std::abs(double(tau));
+    // The reference gradients are finite, so a non-finite input is one no row sees: out of the sums.
+    const auto finite = [](const Mat<double>& m) {
+      return Mat<double>(m.unaryExpr([](double x) { return std::isfinite(x) ? x : 0.0; }));
+    };
+    const Mat<double> vf = finite(c.v);
+    const Mat<double> o = r.p * vf;  // n_q x d_v
+    Mat<double> dS = Mat<double>::Zero(c.nQ, c.nK), ddS = dS, dp = dS;
+    for (Index i = 0; i < c.nQ; ++i) {
+      const double dI = rowDot(dOut, i, o, i);
+      const double dError = double(c.dV + 2) * eps * rowAbsDot(dOut, i, o, i) +
+                            (c.dV ? dOut.row(i).cwiseAbs().sum() : 0.0) * r.outputFloor(i);
+      for (Index j = 0; j < c.nK; ++j) {
+        if (r.p(i, j) == 0 && r.ds(i, j) == 0) continue;  // hidden
+        double g = 1, dg = 0;                             // d cap(x) / dx = 1 - tanh^2 and its rounding error
+        if (cap > 0) {
+          const double x = double(tau) * rowDot(c.q, i, c.k, j) / double(cap);
+          g = 1 - std::tanh(x) * std::tanh(x);
+          dg = 4 * eps + 2 * r.ds(i, j) / double(cap);
+        }
+        const double dP = rowDot(dOut, i, vf, j);
+        const double dPError = double(c.dV + 2) * eps * rowAbsDot(dOut, i, vf, j);
+        dp(i, j) = r.p(i, j) * (2 * r.dsMax(i) + (r.n(i) + 4) * eps) + Rounding<T>::tiny;
+        dS(i, j) = g * r.p(i, j) * (dP - dI);
+        ddS(i, j) = g * (dp(i, j) * std::abs(dP - dI) + r.p(i, j) * (dPError + dError)) +
+                    dg * r.p(i, j) * std::abs(dP - dI) + 2 * eps * std::abs(dS(i, j));
+      }
+    }
+    const Mat<double> aq = finite(c.q).cwiseAbs(), ak = finite(c.k).cwiseAbs(), adO = dOut.cwiseAbs(),
+                      adS = dS.cwiseAbs();
+    q = t * (ddS * ak + double(c.nK + 2) * eps * adS * ak);
+    k = t * (ddS.transpose() * aq + double(c.nQ + 2) * eps * adS.transpose() * aq);
+    v = dp.transpose() * adO + double(c.nQ + 2) * eps * r.p.transpose() * adO;
+  }
+};
+
+/// Entry by entry: |tiled - reference| <= 2 |naive - reference| + 2 bound + 8 ulps of the entry.
+template <typename T>
+void checkGradient(const char* name, const Case& c, const Mat<T>& tiled, const Mat<T>& naive, const Mat<double>& ref,
+                   const Mat<double>& bound) {
+  for (Index e = 0; e < ref.size(); ++e) {
+    const double err = std::abs(double(tiled.data()[e]) - ref.data()[e]);
+    const double naiveErr = std::abs(double(naive.data()[e]) - ref.data()[e]);
+    const double limit = 2 * naiveErr + 2 * bound.data()[e] + 8 * Rounding<T>::eps * std::abs(ref.data()[e]);
+    if (!(err <= limit)) {
+      std::ostringstream s;
+      s.precision(9);
+      s << "backward " << name << " entry (" << e % ref.rows() << ", " << e / ref.rows() << "): tiled "
+        << tiled.data()[e] << ", naive " << naive.data()[e] << ", double reference " << ref.data()[e] << ", limit "
+        << limit << "\n  q:\n"
+        << c.q << "\n  k:\n"
+        << c.k << "\n  v:\n"
+        << c.v;
+      fail(s.str(), c.describe());
+    }
+  }
+}
+
+/// Tiled backward against the naive backward, both in T, with the naive backward in double as
+/// the reference, when the naive T and double gradients are finite.
+template <typename T>
+void runBackward(const Case& c) {
+  if (c.nQ == 0 || c.nK == 0) return;
+  const Mat<T> q = c.q.cast<T>(), k = c.k.cast<T>(), v = c.v.cast<T>(), bias = c.bias.cast<T>();
+  const Mat<T> dOut = sdpa_test::randn<T>(c.nQ, c.dV, 7 + std::uint64_t(c.nQ * 41 + c.nK));
+  const Mat<double> dOutD = dOut.template cast<double>();
+  // The reference works on the inputs as T holds them.
+  Case cd = c;
+  cd.q = q.template cast<double>(), cd.k = k.template cast<double>(), cd.v = v.template cast<double>();
+  cd.bias = bias.template cast<double>();
+  Mat<double> gq, gk, gv;
+  withPolicies<double>(
+      cd, cd.bias, [&](const auto& scale, const auto& mask, const VisibleFn&, const BiasFn&, long double) {
+        const auto fwd = sdpa::attentionForward(sdpa::kernel::Naive{}, cd.q, cd.k, cd.v, scale, mask);
+        const auto g = sdpa::attentionBackward(sdpa::kernel::Naive{}, cd.q, cd.k, cd.v, fwd, dOutD, scale, mask);
+        gq = g.dq, gk = g.dk, gv = g.dv;
+      });
+  if (!(gq.allFinite() && gk.allFinite() && gv.allFinite())) return;
+  withPolicies<T>(c, bias,
+                  [&](const auto& scale, const auto& mask, const VisibleFn& vis, const BiasFn& b, long double cap) {
+                    const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, scale, mask);
+                    const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, scale, mask);
+                    if (!(gN.dq.allFinite() && gN.dk.allFinite() && gN.dv.allFinite())) return;
+                    const sdpa::kernel::Tiled kern{c.blockQ, c.blockK};
+                    const auto fwdT = sdpa::attentionForward(kern, q, k, v, scale, mask);
+                    const auto gT = sdpa::attentionBackward(kern, q, k, v, fwdT, dOut, scale, mask);
+                    const GradientBounds<T> bound(cd, tauOf(c), vis, b, cap, dOutD);
+                    checkGradient<T>("dq", cd, gT.dq, gN.dq, gq, bound.q);
+                    checkGradient<T>("dk", cd, gT.dk, gN.dk, gk, bound.k);
+                    checkGradient<T>("dv", cd, gT.dv, gN.dv, gv, bound.v);
+                  });
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Bytes in(data, size);
+  const Case c = decode(in);
+  try {
+    runForward<float>("forward naive float", sdpa::kernel::Naive{}, c);
+    runForward<double>("forward naive double", sdpa::kernel::Naive{}, c);
+    if (c.kernelKind == 0) {
+      runForward<float>("forward tiled float", sdpa::kernel::Tiled{}, c);
+      runForward<double>("forward tiled double", sdpa::kernel::Tiled{}, c);
+    } else {
+      runForward<float>("forward tiled float (small blocks)", sdpa::kernel::Tiled{c.blockQ, c.blockK}, c);
+      runForward<double>("forward tiled double (small blocks)", sdpa::kernel::Tiled{c.blockQ, c.blockK}, c);
+    }
+    runBackward<float>(c);
+    runBackward<double>(c);
+  } catch (const std::exception& e) {
+    // Every decoded case is valid input: an exception is a defect.
+    fail("unexpected exception", std::string(e.what()) + "; " + c.describe());
+  }
+  return 0;
+}
