@@ -22,6 +22,7 @@ constexpr int kCallers = 4;
 template <typename F>
 void concurrently(F&& f) {
   std::vector<std::thread> threads;
+  threads.reserve(kCallers);
   for (int i = 0; i < kCallers; ++i) threads.emplace_back([&f, i] { f(i); });
   for (auto& t : threads) t.join();
 }
