@@ -14,6 +14,8 @@ using namespace sdpa_test;
 using sdpa::Index;
 namespace mask = sdpa::mask;
 namespace scale = sdpa::scale;
+namespace kernel = sdpa::kernel;
+using sdpa::mask::Align;
 
 TEMPLATE_TEST_CASE("logits near and past the fp32 exp limit stay finite  [seed C13]", "[extreme]", float, double) {
   using T = TestType;
@@ -203,6 +205,52 @@ TEST_CASE("backward: products that overflow at hidden positions do not leak into
           if (i >= 3) CHECK((g.dk.row(i).allFinite() && g.dv.row(i).allFinite()));
         }
       });
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("d_k = 0 and d_v = 0 over many tiles, batch items and heads, forward and backward",
+                   "[extreme][edge]", float, double) {
+  // A zero-column matrix has no data: the tiled kernels must never form blocks of it at a row
+  // offset (UB under UBSan, found by tests/fuzz). d_k = 0: every logit is 0 before the mask, so
+  // ALiBi alone shapes the weights; d_v = 0: an empty output, a defined logSumExp, zero gradients.
+  // Item 0 has n_q > n_k: its first 10 rows are fully masked (logSumExp -inf).
+  using T = TestType;
+  const Index H = 4, Hkv = 2;
+  const sdpa::Heads heads{H, Hkv};
+  const auto layout = sdpa::BatchLayout::varlen({0, 300, 337}, {0, 290, 335});
+  const auto m = mask::combine(mask::Causal{Align::LowerRight}, mask::Alibi::standard(H, Align::LowerRight));
+  const scale::InvSqrtDk sc;
+  for (const auto& [dK, dV] : {std::pair<Index, Index>{0, 3}, {5, 0}, {0, 0}}) {
+    DYNAMIC_SECTION("d_k " << dK << ", d_v " << dV) {
+      const Mat<T> q = randn<T>(337, H * dK, 31), k = randn<T>(335, Hkv * dK, 32), v = randn<T>(335, Hkv * dV, 33),
+                   dO = randn<T>(337, H * dV, 34);
+      const Mat<double> qd = q.template cast<double>(), kd = k.template cast<double>(), vd = v.template cast<double>(),
+                        dOd = dO.template cast<double>();
+      const auto goldF = sdpa::batchedAttentionForward(kernel::Naive{}, qd, kd, vd, layout, heads, sc, m);
+      const auto gold = sdpa::batchedAttentionBackward(kernel::Naive{}, qd, kd, vd, goldF, dOd, layout, heads, sc, m);
+      const auto naiveF = sdpa::batchedAttentionForward(kernel::Naive{}, q, k, v, layout, heads, sc, m);
+      const auto naive = sdpa::batchedAttentionBackward(kernel::Naive{}, q, k, v, naiveF, dO, layout, heads, sc, m);
+      for (const kernel::Tiled kern : {kernel::Tiled{}, kernel::Tiled{7, 5}}) {
+        INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+        const auto fwd = sdpa::batchedAttentionForward(kern, q, k, v, layout, heads, sc, m);
+        REQUIRE(fwd.output.rows() == 337);
+        REQUIRE(fwd.output.cols() == H * dV);
+        CHECK(maxAbsDiff(fwd.logSumExp, goldF.logSumExp) <=
+              errorBound<T>(maxAbsDiff(naiveF.logSumExp, goldF.logSumExp), goldF.logSumExp.cwiseAbs().maxCoeff()));
+        if (dV > 0)
+          CHECK(maxAbsDiff(fwd.output, goldF.output) <=
+                errorBound<T>(maxAbsDiff(naiveF.output, goldF.output), goldF.output.cwiseAbs().maxCoeff()));
+        const auto g = sdpa::batchedAttentionBackward(kern, q, k, v, fwd, dO, layout, heads, sc, m);
+        REQUIRE(g.dq.rows() == 337);
+        REQUIRE(g.dq.cols() == H * dK);
+        REQUIRE(g.dk.cols() == Hkv * dK);
+        REQUIRE(g.dv.cols() == Hkv * dV);
+        if (dV == 0) CHECK(g.dq.isZero(0));
+        if (dV == 0) CHECK(g.dk.isZero(0));
+        if (dK == 0) CHECK(g.dscale.isZero(0));  // dtau = sum dY q k^T with q k^T = 0
+        CHECK(gradientDistance(g, gold) <= errorBound<T>(gradientDistance(naive, gold), gradientScale(gold)));
+      }
     }
   }
 }

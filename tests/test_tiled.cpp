@@ -258,22 +258,6 @@ TEST_CASE("unscaled fp16 inputs whose fp16 logits overflow still give the finite
 
 namespace {
 
-/// Largest |a - b| over every gradient of two backward results.
-template <typename GA, typename GB>
-double gradientDistance(const GA& a, const GB& b) {
-  double e = std::max(
-      {maxAbsDiff(a.dq, b.dq), maxAbsDiff(a.dk, b.dk), maxAbsDiff(a.dv, b.dv), maxAbsDiff(a.dscale, b.dscale)});
-  if (a.dbias.size() || b.dbias.size()) e = std::max(e, maxAbsDiff(a.dbias, b.dbias));
-  return e;
-}
-template <typename G>
-double gradientScale(const G& g) {
-  double s = double(std::max({g.dq.cwiseAbs().maxCoeff(), g.dk.cwiseAbs().maxCoeff(), g.dv.cwiseAbs().maxCoeff(),
-                              g.dscale.cwiseAbs().maxCoeff()}));
-  if (g.dbias.size()) s = std::max(s, double(g.dbias.cwiseAbs().maxCoeff()));
-  return s;
-}
-
 /// Tiled backward (several block sizes) against the naive backward in double, for one mask, on a
 /// batched GQA layout with dropout: the float error is within the 2x rule of the naive float run.
 template <typename T, typename Mask>

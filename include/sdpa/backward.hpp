@@ -107,12 +107,14 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
     forEachItemHead(layout, heads, [&](const ItemHead& u) {
       const Index dbiasRow0 = biasRows == u.nQ ? 0 : u.head * u.nQ;
       g.dscale(u.head) += backward_naive_impl<Scalar>::run(
-          q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), o.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
-          lse.col(u.head).segment(u.q0, u.nQ), dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+          headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+          headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(o, u.q0, u.head * dims.dV, u.nQ, dims.dV),
+          lse.col(u.head).segment(u.q0, u.nQ), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
           headScale(scale, u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
-          g.dq.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), g.dk.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          g.dv.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), biasRows >= 0 ? &g.dbias : nullptr, dbiasRow0, scratch);
+          headBlock(g.dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
+          headBlock(g.dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+          headBlock(g.dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), biasRows >= 0 ? &g.dbias : nullptr, dbiasRow0,
+          scratch);
     });
   }
   return g;

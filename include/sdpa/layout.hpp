@@ -93,6 +93,16 @@ void forEachItemHead(const BatchLayout& layout, const Heads& heads, F&& f) {
   }
 }
 
+/**
+ * x.block(row, col, rows, cols) of a packed matrix, except that a block without columns starts
+ * at row 0: a matrix without columns (d_k or d_v = 0) may have no data, and Eigen forms
+ * data() + offset, undefined behaviour on null. The two blocks are equally empty.
+ */
+template <typename X>
+auto headBlock(X&& x, Index row, Index col, Index rows, Index cols) {
+  return x.block(cols == 0 ? 0 : row, col, rows, cols);
+}
+
 /// The user's mask restricted to the valid rows and keys of a padded item.
 template <typename Mask>
 auto itemMask(const Mask& mask, const ItemHead& u) {

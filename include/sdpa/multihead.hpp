@@ -88,10 +88,10 @@ void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, cons
   }
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     forward_naive_impl<Scalar>::run(
-        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout, u.head,
-        u.q0, u.k0, out.block(u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ), scratch,
-        sink ? &sink->rows(u.head) : nullptr);
+        headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+        headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
+        u.head, u.q0, u.k0, headBlock(out, u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ),
+        scratch, sink ? &sink->rows(u.head) : nullptr);
   });
 }
 

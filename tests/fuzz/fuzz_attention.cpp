@@ -340,6 +340,24 @@ void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::
   }
 }
 
+/// x stacked on itself: the case as a two-item packed batch (the varlen layout), so that the
+/// kernels form blocks at row offsets of the packed matrices.
+template <typename T>
+Mat<T> twice(const Mat<T>& x) {
+  Mat<T> y(2 * x.rows(), x.cols());
+  if (x.size()) y << x, x;  // not a block of a matrix without data (null + offset)
+  return y;
+}
+/// Rows [b n, (b + 1) n) of a stacked result, copied.
+template <typename T>
+Mat<T> item(const Mat<T>& x, Index b, Index n) {
+  return x.cols() ? Mat<T>(x.middleRows(b * n, n)) : Mat<T>(n, 0);
+}
+/// The two-item layout of twice().
+sdpa::BatchLayout twoItems(const Case& c) {
+  return sdpa::BatchLayout::varlen({0, c.nQ, 2 * c.nQ}, {0, c.nK, 2 * c.nK});
+}
+
 template <typename T, typename Kernel>
 void runForward(const char* what, const Kernel& kern, const Case& c) {
   const Mat<T> q = c.q.cast<T>(), k = c.k.cast<T>(), v = c.v.cast<T>(), bias = c.bias.cast<T>();
@@ -364,6 +382,16 @@ void runForward(const char* what, const Kernel& kern, const Case& c) {
           if (!(m0.array() == fwd.output.array() || (m0.array().isNaN() && fwd.output.array().isNaN())).all() ||
               !(m1.array() == second.output.array() || (m1.array().isNaN() && second.output.array().isNaN())).all())
             fail(what, "a head of a multi-head call differs from the single-head call; " + c.describe());
+        }
+        // Each item of a batch is the same computation as the single call (bitwise).
+        const auto batch =
+            sdpa::batchedAttentionForward(kern, twice(q), twice(k), twice(v), twoItems(c), sdpa::Heads{1}, scale, mask);
+        for (Index b = 0; b < 2; ++b) {
+          const Mat<T> o = item(batch.output, b, c.nQ);
+          const Eigen::Matrix<T, -1, 1> l = batch.logSumExp.col(0).segment(b * c.nQ, c.nQ);
+          if (!(o.array() == fwd.output.array() || (o.array().isNaN() && fwd.output.array().isNaN())).all() ||
+              !(l.array() == fwd.logSumExp.array() || (l.array().isNaN() && fwd.logSumExp.array().isNaN())).all())
+            fail(what, "item " + std::to_string(b) + " of a batch differs from the single call; " + c.describe());
         }
       });
 }
@@ -455,19 +483,34 @@ void runBackward(const Case& c) {
         gq = g.dq, gk = g.dk, gv = g.dv;
       });
   if (!(gq.allFinite() && gk.allFinite() && gv.allFinite())) return;
-  withPolicies<T>(c, bias,
-                  [&](const auto& scale, const auto& mask, const VisibleFn& vis, const BiasFn& b, long double cap) {
-                    const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, scale, mask);
-                    const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, scale, mask);
-                    if (!(gN.dq.allFinite() && gN.dk.allFinite() && gN.dv.allFinite())) return;
-                    const sdpa::kernel::Tiled kern{c.blockQ, c.blockK};
-                    const auto fwdT = sdpa::attentionForward(kern, q, k, v, scale, mask);
-                    const auto gT = sdpa::attentionBackward(kern, q, k, v, fwdT, dOut, scale, mask);
-                    const GradientBounds<T> bound(cd, tauOf(c), vis, b, cap, dOutD);
-                    checkGradient<T>("dq", cd, gT.dq, gN.dq, gq, bound.q);
-                    checkGradient<T>("dk", cd, gT.dk, gN.dk, gk, bound.k);
-                    checkGradient<T>("dv", cd, gT.dv, gN.dv, gv, bound.v);
-                  });
+  withPolicies<T>(
+      c, bias, [&](const auto& scale, const auto& mask, const VisibleFn& vis, const BiasFn& b, long double cap) {
+        const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, scale, mask);
+        const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, scale, mask);
+        if (!(gN.dq.allFinite() && gN.dk.allFinite() && gN.dv.allFinite())) return;
+        const sdpa::kernel::Tiled kern{c.blockQ, c.blockK};
+        const auto fwdT = sdpa::attentionForward(kern, q, k, v, scale, mask);
+        const auto gT = sdpa::attentionBackward(kern, q, k, v, fwdT, dOut, scale, mask);
+        const GradientBounds<T> bound(cd, tauOf(c), vis, b, cap, dOutD);
+        checkGradient<T>("dq", cd, gT.dq, gN.dq, gq, bound.q);
+        checkGradient<T>("dk", cd, gT.dk, gN.dk, gk, bound.k);
+        checkGradient<T>("dv", cd, gT.dv, gN.dv, gv, bound.v);
+        // The case twice in a packed batch, both kernels: each item within the same bounds.
+        const auto batched = [&](const auto& kernel, const char* name) {
+          const auto f = sdpa::batchedAttentionForward(kernel, twice(q), twice(k), twice(v), twoItems(c),
+                                                       sdpa::Heads{1}, scale, mask);
+          const auto g = sdpa::batchedAttentionBackward(kernel, twice(q), twice(k), twice(v), f, twice(dOut),
+                                                        twoItems(c), sdpa::Heads{1}, scale, mask);
+          for (Index b = 0; b < 2; ++b) {
+            const std::string at = std::string(" of batch item ") + std::to_string(b) + ", " + name;
+            checkGradient<T>(("dq" + at).c_str(), cd, item(g.dq, b, c.nQ), gN.dq, gq, bound.q);
+            checkGradient<T>(("dk" + at).c_str(), cd, item(g.dk, b, c.nK), gN.dk, gk, bound.k);
+            checkGradient<T>(("dv" + at).c_str(), cd, item(g.dv, b, c.nK), gN.dv, gv, bound.v);
+          }
+        };
+        batched(sdpa::kernel::Naive{}, "naive");
+        batched(kern, "tiled");
+      });
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -114,6 +115,26 @@ double maxAbsDiff(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b) 
 template <typename T>
 double errorBound(double naiveError, double outputScale) {
   return 2.0 * naiveError + 8.0 * double(std::numeric_limits<T>::epsilon()) * std::max(1.0, outputScale);
+}
+
+/// Largest |x| of a matrix, 0 for an empty one.
+template <typename D>
+double maxAbs(const Eigen::MatrixBase<D>& m) {
+  return m.size() ? double(m.cwiseAbs().maxCoeff()) : 0.0;
+}
+
+/// Largest |a - b| over every gradient of two backward results (sdpa::Gradients and alike).
+template <typename GA, typename GB>
+double gradientDistance(const GA& a, const GB& b) {
+  double e = std::max(
+      {maxAbsDiff(a.dq, b.dq), maxAbsDiff(a.dk, b.dk), maxAbsDiff(a.dv, b.dv), maxAbsDiff(a.dscale, b.dscale)});
+  if (a.dbias.size() || b.dbias.size()) e = std::max(e, maxAbsDiff(a.dbias, b.dbias));
+  return e;
+}
+/// Largest |gradient entry| of a backward result: the scale of its error bound.
+template <typename G>
+double gradientScale(const G& g) {
+  return std::max({maxAbs(g.dq), maxAbs(g.dk), maxAbs(g.dv), maxAbs(g.dscale), maxAbs(g.dbias)});
 }
 
 }  // namespace sdpa_test

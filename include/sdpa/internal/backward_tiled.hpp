@@ -158,6 +158,33 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                    const Scale& scale, const Mask& mask, const Dropout& dropout, Matrix<Scalar>& dq, Matrix<Scalar>& dk,
                    Matrix<Scalar>& dv, Vector<Scalar>& dscale, Matrix<Scalar>* dbias) {
   using Impl = backward_tiled_impl<Scalar>;
+  if (dims.dK == 0 || dims.dV == 0) {
+    // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
+    // behaviour, so run with one zero column and drop its gradient. d_k = 0: the logits are 0
+    // either way and dtau = sum dY X = 0. d_v = 0: zero dO and O give D = 0 and dP = 0, so every
+    // gradient is 0, as it is for a loss that cannot depend on an empty output.
+    Matrix<Scalar> q1, k1, dq1, dk1, v1, o1, dO1, dv1;
+    if (dims.dK == 0) {
+      q1.setZero(q.rows(), heads.query);
+      k1.setZero(k.rows(), heads.keyValue);
+      dq1.setZero(q.rows(), heads.query);
+      dk1.setZero(k.rows(), heads.keyValue);
+    }
+    if (dims.dV == 0) {
+      v1.setZero(v.rows(), heads.keyValue);
+      o1.setZero(o.rows(), heads.query);
+      dO1.setZero(dO.rows(), heads.query);
+      dv1.setZero(v.rows(), heads.keyValue);
+    }
+    const bool noK = dims.dK == 0;
+    const bool noV = dims.dV == 0;
+    backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
+                          noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(o1) : o, lse,
+                          noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
+                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
+                          noK ? dq1 : dq, noK ? dk1 : dk, noV ? dv1 : dv, dscale, dbias);
+    return;
+  }
   const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
   const Index H = heads.query, group = heads.groupSize();
   std::vector<ItemHead> pairs;  // item-major: pairs[b * H + h]

@@ -301,6 +301,27 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
                   Eigen::Ref<Matrix<Accumulator<In>>> lse) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
+  if (dims.dK == 0 || dims.dV == 0) {
+    // A matrix without columns has no data, and an Eigen block of it at a row offset computes
+    // null + offset (undefined behaviour). Run with one zero column instead: every logit is
+    // tau 0 = 0 either way (scales are finite), and a zero value column feeds an output column
+    // that is dropped. O(n H) extra memory, for these degenerate shapes only.
+    Matrix<In> q1, k1, v1;
+    Matrix<Out> out1;
+    if (dims.dK == 0) {
+      q1.setZero(q.rows(), heads.query);
+      k1.setZero(k.rows(), heads.keyValue);
+    }
+    if (dims.dV == 0) {
+      v1.setZero(v.rows(), heads.keyValue);
+      out1.resize(out.rows(), heads.query);
+    }
+    forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : q, dims.dK == 0 ? ConstRef<In>(k1) : k,
+                          dims.dV == 0 ? ConstRef<In>(v1) : v, layout, heads,
+                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
+                          dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse);
+    return;
+  }
   const TileSizes tile = tileSizes(kernel, dims.dK, dims.dV);
 
   std::vector<ItemHead> pairs;
