@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "support/cases.hpp"
+#include "support/finite_differences.hpp"
 
 using namespace sdpa_test;
 namespace mask = sdpa::mask;
@@ -24,22 +25,6 @@ template <typename Scale, typename Mask>
 double loss(const Mat<double>& q, const Mat<double>& k, const Mat<double>& v, const Mat<double>& dOut, const Scale& s,
             const Mask& m, const sdpa::Dropout& dropout = {}) {
   return (sdpa::attentionForward(q, k, v, s, m, dropout).output.array() * dOut.array()).sum();
-}
-
-/// Central differences of f at every entry of x (perturbed in place and restored).
-template <typename F>
-Mat<double> finiteDifferences(Mat<double>& x, F&& f, double h = 1e-6) {
-  Mat<double> g(x.rows(), x.cols());
-  for (Index i = 0; i < x.size(); ++i) {
-    const double x0 = x.data()[i];
-    x.data()[i] = x0 + h;
-    const double up = f();
-    x.data()[i] = x0 - h;
-    const double down = f();
-    x.data()[i] = x0;
-    g.data()[i] = (up - down) / (2 * h);
-  }
-  return g;
 }
 
 /// FD truncation O(h^2) and rounding O(eps |L| / h) with h = 1e-6: about 1e-10 here.
