@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "support/cases.hpp"
 
@@ -341,21 +342,30 @@ TEMPLATE_TEST_CASE("tiled backward: bias gradients, learnable scales, 1 and 2 th
 TEMPLATE_TEST_CASE("decoding over half storage: a few queries against a long fp16 or bf16 KV cache",
                    "[tiled][half][decode]", Eigen::half, Eigen::bfloat16) {
   using H = TestType;
-  // The decoding path converts k and v in registers when compiled for AVX-512, column by column
-  // otherwise; both against the float rule on the exactly converted inputs.
-  const Index nQ = 2, nK = 5000, dK = 64, valid = 4321;
-  Mat<H> q = randn<float>(nQ, dK, 71).template cast<H>(), k = randn<float>(nK, dK, 72).template cast<H>(),
-         v = randn<float>(nK, dK, 73).template cast<H>();
-  v.bottomRows(nK - valid).setConstant(H(std::numeric_limits<float>::quiet_NaN()));  // stale cache rows
-  const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
-  const auto visible = [=](Index, Index j) { return j < valid; };
-  const auto gold = referenceAttention<long double>(qd, kd, vd, 0.125L, visible);
-  const auto naive = referenceAttention<float>(qd, kd, vd, 0.125L, visible);
-  const Mat<double> goldOut = gold.output.template cast<double>();
-  const auto out = sdpa::attentionForward<float>(q, k, v, sdpa::scale::InvSqrtDk{}, mask::KeyLength{valid});
-  CHECK(out.output.allFinite());
-  CHECK(maxAbsDiff(out.output, goldOut) <=
-        errorBound<float>(maxAbsDiff(naive.output, goldOut), goldOut.cwiseAbs().maxCoeff()));
+  // The decoding path converts k and v in registers when compiled for AVX-512 (8 columns at a
+  // time, then single columns; 32 keys at a time, then single keys), column by column otherwise;
+  // both against the float rule on the exactly converted inputs.
+  // The last key sits in the ragged end of the last chunk: valid = n_k in the last case.
+  for (const auto& [nK, dK, dV, valid] :
+       {std::tuple<Index, Index, Index, Index>{5000, 64, 64, 4321}, {4999, 100, 37, 4320}, {777, 13, 9, 777}}) {
+    DYNAMIC_SECTION("n_k " << nK << ", d_k " << dK << ", d_v " << dV << ", valid keys " << valid) {
+      const Index nQ = 2;
+      Mat<H> q = randn<float>(nQ, dK, 71).template cast<H>(), k = randn<float>(nK, dK, 72).template cast<H>(),
+             v = randn<float>(nK, dV, 73).template cast<H>();
+      v.bottomRows(nK - valid).setConstant(H(std::numeric_limits<float>::quiet_NaN()));  // stale cache rows
+      const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
+      const Index nValid = valid;  // a structured binding cannot be captured in C++17
+      const auto visible = [=](Index, Index j) { return j < nValid; };
+      const long double tau = 1.0L / std::sqrt((long double)dK);
+      const auto gold = referenceAttention<long double>(qd, kd, vd, tau, visible);
+      const auto naive = referenceAttention<float>(qd, kd, vd, tau, visible);
+      const Mat<double> goldOut = gold.output.template cast<double>();
+      const auto out = sdpa::attentionForward<float>(q, k, v, sdpa::scale::InvSqrtDk{}, mask::KeyLength{valid});
+      CHECK(out.output.allFinite());
+      CHECK(maxAbsDiff(out.output, goldOut) <=
+            errorBound<float>(maxAbsDiff(naive.output, goldOut), goldOut.cwiseAbs().maxCoeff()));
+    }
+  }
 }
 
 TEST_CASE("backward: a NaN query row poisons only the gradients of what it saw", "[tiled][backward][nan]") {

@@ -61,6 +61,19 @@ inline __m512 load16(const Eigen::bfloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
 /**
+ * Halves ahead of the loads that the decoding loops prefetch in each column: G short column
+ * streams at once (a key split holds a few thousand keys) outrun the hardware prefetcher.
+ * Measured with bench_decode (n_k 65536, d 128, fp16, 1 thread): no prefetch 1.74x the float
+ * run, 512 halves 1.94-2.01x, 1024 1.97-2.06x, 2048 1.55x.
+ */
+inline constexpr Index kHalfPrefetch = 1024;
+template <typename H>
+inline void prefetch(const H* x) {
+  // A prefetch never faults; the address is formed as an integer, as it may lie past the array.
+  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x) + std::uintptr_t(kHalfPrefetch) * sizeof(H);
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+}
+/**
  * y += sum_c a[c] x_c over G columns x_c = x + c stride of n contiguous halves: y (the logits
  * row, in L2) is read and written once per G columns instead of once per column.
  */
@@ -69,10 +82,16 @@ void axpyColumnsHalf(const float* a, const H* x, Index stride, float* y, Index n
   __m512 va[G];
   for (int c = 0; c < G; ++c) va[c] = _mm512_set1_ps(a[c]);
   Index i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 acc = _mm512_loadu_ps(y + i);
-    for (int c = 0; c < G; ++c) acc = _mm512_fmadd_ps(va[c], load16(x + c * stride + i), acc);
-    _mm512_storeu_ps(y + i, acc);
+  for (; i + 32 <= n; i += 32) {  // 32 halves: one cache line of each column
+    __m512 lo = _mm512_loadu_ps(y + i), hi = _mm512_loadu_ps(y + i + 16);
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      prefetch(xc);
+      lo = _mm512_fmadd_ps(va[c], load16(xc), lo);
+      hi = _mm512_fmadd_ps(va[c], load16(xc + 16), hi);
+    }
+    _mm512_storeu_ps(y + i, lo);
+    _mm512_storeu_ps(y + i + 16, hi);
   }
   for (; i < n; ++i)
     for (int c = 0; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);
@@ -83,9 +102,13 @@ void dotColumnsHalf(const float* p, const H* x, Index stride, Index n, float* ou
   __m512 acc[G];
   for (int c = 0; c < G; ++c) acc[c] = _mm512_setzero_ps();
   Index i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 pv = _mm512_loadu_ps(p + i);
-    for (int c = 0; c < G; ++c) acc[c] = _mm512_fmadd_ps(pv, load16(x + c * stride + i), acc[c]);
+  for (; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(p + i), hi = _mm512_loadu_ps(p + i + 16);
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      prefetch(xc);
+      acc[c] = _mm512_fmadd_ps(hi, load16(xc + 16), _mm512_fmadd_ps(lo, load16(xc), acc[c]));
+    }
   }
   for (int c = 0; c < G; ++c) {
     // Not _mm512_reduce_add_ps: GCC 12 warns inside it (-Wuninitialized on _mm256_undefined_pd).
