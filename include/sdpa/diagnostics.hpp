@@ -357,9 +357,9 @@ Diagnostics diagnoseImpl(const char* where, const Eigen::MatrixBase<DQ>& q, cons
     const Index g = h / heads.groupSize();
     const auto qh = qr.middleCols(h * dims.dK, dims.dK);
     const auto kh = kr.middleCols(g * dims.dK, dims.dK);
-    const auto& sc = headScale(scale, h);
+    const FixedTau<Scalar> sc{headScale(scale, h).template value<Scalar>(dims.dK)};
     forward_naive_impl<Scalar>::softmaxWithStats(qh, kh, sc, mask, h, lse, scratch, rows, 0);
-    d.heads.push_back(summarize(rows, headInputs(qh, kh, double(sc.template value<Scalar>(dims.dK))), h));
+    d.heads.push_back(summarize(rows, headInputs(qh, kh, double(sc.tau)), h));
     weights.push_back(scratch.s.template cast<double>());
   }
   if (heads.query > 1) {

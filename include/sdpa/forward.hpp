@@ -110,13 +110,13 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
                   ForwardResult<Out>& result) {
   using Acc = Accumulator<typename DQ::Scalar>;
   typename forward_naive_impl<Acc>::Scratch scratch;
+  const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
   if (sink) {
     sink->start(1, q.rows());
-    sink->inputs(0) =
-        headInputs(q.template cast<Acc>(), k.template cast<Acc>(), double(scale.template value<Acc>(q.cols())));
+    sink->inputs(0) = headInputs(q.template cast<Acc>(), k.template cast<Acc>(), double(tau.tau));
   }
   Matrix<Acc> out(q.rows(), v.cols());
-  forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), scale, mask,
+  forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), tau, mask,
                                dropout, 0, 0, 0, out, result.logSumExp, scratch, sink ? &sink->rows(0) : nullptr);
   result.output = out.template cast<Out>();
 }
@@ -158,8 +158,9 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
   if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
     if (!sink) {
       internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
-                                      internal::HeadDims{q.cols(), v.cols()}, scale, mask, dropout, result.output,
-                                      result.logSumExp);
+                                      internal::HeadDims{q.cols(), v.cols()},
+                                      internal::HeadTaus<internal::Accumulator<In>>(scale, 1, q.cols()), mask, dropout,
+                                      result.output, result.logSumExp);
       return result;
     }
   }
@@ -229,7 +230,8 @@ internal::Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionLogits", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
-  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, 0, s);
+  const internal::FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
+  internal::forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
   return s;
 }
 
@@ -246,7 +248,8 @@ internal::Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<D
   internal::checkForward("sdpa::attentionWeights", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
   internal::Vector<Scalar> lse(q.rows());
-  internal::forward_naive_impl<Scalar>::logits(q, k, scale, mask, 0, s);
+  const internal::FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
+  internal::forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
   internal::forward_naive_impl<Scalar>::softmaxRows(s, lse);
   return s;
 }

@@ -73,6 +73,42 @@ const auto& headScale(const Scale& scale, Index h) {
     return scale;
 }
 
+/// A scale policy reduced to its value for one head (FixedTau) or for every query head
+/// (HeadTaus), in the kernels' precision S and computed once per call by the policy itself
+/// (`policy.value<S>(d_k)`, so every value is the one the policy defines). The kernels see only
+/// these types: they are compiled once per precision and mask, not once more per policy type.
+/// A tau of exactly 1 (None) skips its multiply at run time.
+template <typename S>
+struct FixedTau {
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = false;
+  S tau;
+  template <typename T = double>
+  T value(Index /*headDim*/) const {
+    return T(tau);
+  }
+};
+template <typename S>
+class HeadTaus {
+ public:
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsPerHead = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = false;
+  /// `scale` must have been checked against `heads` (checkScaleHeads).
+  template <typename Scale>
+  HeadTaus(const Scale& scale, Index heads, Index dK) {
+    m_heads.reserve(size_t(heads));
+    for (Index h = 0; h < heads; ++h) m_heads.push_back({headScale(scale, h).template value<S>(dK)});
+  }
+  Index size() const { return Index(m_heads.size()); }
+  const FixedTau<S>& head(Index h) const { return m_heads[size_t(h)]; }
+
+ private:
+  std::vector<FixedTau<S>> m_heads;
+};
+
 /// One (batch item, query head) pair: the unit of parallel work. Rows q0..q0+nQ of q and
 /// k0..k0+nK of k/v belong to the item; kvHead is the k/v column block the query head reads.
 struct ItemHead {

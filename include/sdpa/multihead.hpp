@@ -158,18 +158,19 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
   MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
+  const HeadTaus<Acc> taus(scale, heads.query, dims.dK);
   if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
     if (!sink) {
-      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, scale, mask, dropout, r.output, r.logSumExp);
+      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, r.output, r.logSumExp);
       return r;
     }
   }
   if constexpr (std::is_same_v<Out, Acc>) {
-    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, scale,
+    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                           mask, dropout, layout, r.output, r.logSumExp, sink);
   } else {
     Matrix<Acc> out(r.output.rows(), r.output.cols());
-    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, scale,
+    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                           mask, dropout, layout, out, r.logSumExp, sink);
     r.output = out.template cast<Out>();
   }

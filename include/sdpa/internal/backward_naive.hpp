@@ -38,7 +38,7 @@ struct backward_naive_impl {
     s.x.resize(nQ, nK);
     s.x.noalias() = q * k.transpose();
     s.p = s.x;
-    if constexpr (!Scale::IsIdentity) s.p *= tau;
+    if (tau != Scalar(1)) s.p *= tau;
     if constexpr (!Mask::IsNone) mask.apply(s.p, 0, 0, nQ, nK, head);
 
     // forward: P = softmax(L) = exp(L - lse); hidden entries are exactly 0, and so is a fully

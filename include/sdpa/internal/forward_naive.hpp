@@ -63,7 +63,8 @@ struct forward_naive_impl {
                      Index head, RowMajorMatrix<Scalar>& s) {
     s.resize(q.rows(), k.rows());
     s.noalias() = q * k.transpose();
-    if constexpr (!Scale::IsIdentity) s *= scale.template value<Scalar>(q.cols());
+    const Scalar tau = scale.template value<Scalar>(q.cols());
+    if (tau != Scalar(1)) s *= tau;
     if constexpr (!Mask::IsNone) mask.apply(s, 0, 0, s.rows(), s.cols(), head);
   }
 
@@ -95,7 +96,7 @@ struct forward_naive_impl {
     for (Index i = 0; i < s.rows(); ++i) {
       auto row = s.row(i);
       if (!rawFromLogits) scratch.raw = row;
-      if constexpr (!Scale::IsIdentity) row *= tau;
+      if (tau != Scalar(1)) row *= tau;
       if constexpr (!Mask::IsNone) mask.apply(s.block(i, 0, 1, s.cols()), i, 0, s.rows(), s.cols(), head);
       scratch.logits = row;
       if constexpr (Mask::IsNone)

@@ -215,10 +215,11 @@ struct forward_tiled_impl {
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
     // costs one b_q x d_k multiply and None none.
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
-    if constexpr (Scale::IsIdentity)
+    const Acc tau = scale.template value<Acc>(dK);
+    if (tau == Acc(1))
       qs = q.middleRows(i0, bq).template cast<Acc>();
     else
-      qs = scale.template value<Acc>(dK) * q.middleRows(i0, bq).template cast<Acc>();
+      qs = tau * q.middleRows(i0, bq).template cast<Acc>();
     // Decoding (a few query rows): chunks of many keys, the products written column by column
     // so that each column of k and v streams contiguously from memory (a b_k x d tile would
     // read d short segments d_k pages apart) and half storage converts in registers.
