@@ -58,22 +58,21 @@ TEMPLATE_TEST_CASE("tiled forward matches the fp64 reference for d_k up to 256 a
       const Mat<T> q = randn<T>(nQ, dK, ++seed), k = randn<T>(nK, dK, ++seed), v = randn<T>(nK, dV, ++seed);
       const long double tau = 1.0L / std::sqrt((long double)dK);
       const Index L = nQ, S = nK;
-      for (const kernel::Tiled kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
-        INFO("blocks " << kern.blockQ << " x " << kern.blockK);
-        checkForwardWith<T>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
-        checkForwardWith<T>(kern, q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
-        checkForwardWith<T>(
-            kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-            [=](Index i, Index j) { return j <= i + S - L; }, noBias());
-        checkForwardWith<T>(
-            kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
-            [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
-        checkForwardWith<T>(
-            kern, q, k, v, sdpa::scale::InvSqrtDk{},
-            mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}),
-            tau, [](Index i, Index j) { return j <= i; },
-            [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
-      }
+      // The oracle of each mask is computed once for both block sizes.
+      const auto kernels = {kernel::Tiled{}, kernel::Tiled{7, 33}};
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+          [=](Index i, Index j) { return j <= i + S - L; }, noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+          [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{},
+          mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}),
+          tau, [](Index i, Index j) { return j <= i; },
+          [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
     }
 }
 

@@ -114,12 +114,12 @@ Options parse(int argc, char** argv) {
       usage("bad value for " + a);
     }
   }
-  if (o.quick) {
+  if (o.quick) {  // every code path, little arithmetic: the CI smoke run, also under sanitizers
     o.steps = 12;
-    o.batch = 4;
-    o.seqLen = 32;
+    o.batch = 2;
+    o.seqLen = 16;
     o.evalEvery = 4;
-    o.evalBatches = 2;
+    o.evalBatches = 1;
   }
   if (o.batch < 1 || o.seqLen < 2 || o.steps < 0 || o.epochs <= 0 || o.lr <= 0 || o.clip < 0 || !(o.qkGain > 0))
     usage("batch, seq, steps, epochs, lr, clip and qk-gain must be positive");

@@ -4,6 +4,7 @@
 #include <sdpa/sdpa.hpp>
 
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -54,12 +55,9 @@ void forEachPolicy(Index dK, F&& f) {
  * FlashAttention rule (output and logSumExp); fully masked rows must give exactly 0 and -inf.
  */
 template <typename T, typename Kernel, typename Scale, typename Mask>
-void checkForwardWith(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
-                      const Mask& mask, long double tau, const VisibleFn& visible, const BiasFn& bias,
-                      long double softcap = 0) {
+void checkForwardAgainst(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
+                         const Mask& mask, const RefResult<long double>& gold, const RefResult<T>& naive) {
   const auto fwd = sdpa::attentionForward(kernel, q, k, v, scale, mask);
-  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
-  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias, softcap);
   REQUIRE(fwd.output.rows() == q.rows());
   REQUIRE(fwd.output.cols() == v.cols());
   REQUIRE(fwd.logSumExp.size() == q.rows());
@@ -87,6 +85,41 @@ void checkForwardWith(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, co
     }
   }
   CHECK(fwd.output.allFinite());
+}
+
+/// checkForwardAgainst the oracle of (tau, visible, bias, softcap), computed here.
+template <typename T, typename Kernel, typename Scale, typename Mask>
+void checkForwardWith(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
+                      const Mask& mask, long double tau, const VisibleFn& visible, const BiasFn& bias,
+                      long double softcap = 0) {
+  checkForwardAgainst<T>(kernel, q, k, v, scale, mask,
+                         referenceAttention<long double>(q, k, v, tau, visible, bias, softcap),
+                         referenceAttention<T>(q, k, v, tau, visible, bias, softcap));
+}
+
+/// checkForwardAgainst for every kernel of forEachKernel, the oracle computed once.
+template <typename T, typename Scale, typename Mask>
+void checkEveryKernel(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale, const Mask& mask,
+                      long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
+  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
+  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias, softcap);
+  forEachKernel([&](const auto& kern, const char* kernelName) {
+    INFO("kernel " << kernelName);
+    checkForwardAgainst<T>(kern, q, k, v, scale, mask, gold, naive);
+  });
+}
+
+/// checkForwardAgainst for several tiled block sizes, the oracle computed once.
+template <typename T, typename Scale, typename Mask>
+void checkTiledKernels(std::initializer_list<sdpa::kernel::Tiled> kernels, const Mat<T>& q, const Mat<T>& k,
+                       const Mat<T>& v, const Scale& scale, const Mask& mask, long double tau, const VisibleFn& visible,
+                       const BiasFn& bias, long double softcap = 0) {
+  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
+  const auto naive = referenceAttention<T>(q, k, v, tau, visible, bias, softcap);
+  for (const sdpa::kernel::Tiled& kern : kernels) {
+    INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+    checkForwardAgainst<T>(kern, q, k, v, scale, mask, gold, naive);
+  }
 }
 
 /// checkForwardWith the default kernel.
