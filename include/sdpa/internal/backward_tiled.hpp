@@ -114,7 +114,7 @@ struct backward_tiled_impl {
     // dL is 0 even if dP is NaN or inf there: from a non-finite input, or from finite ones whose
     // product overflows (|v| near the largest float). Eigen 3.4's select is scalar, so the
     // select path runs only when the inputs or this tile's dP are not all finite.
-    const bool finite = h.finite && dp.allFinite();
+    const bool finite = h.finite && allFiniteVectorised(dp);
     for (Index r = 0; r < bq; ++r) {
       const Scalar d = h.rowD(i0 + r);
       auto pr = p.row(r).array();
@@ -200,7 +200,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
         headScale(scale, h).template value<Scalar>(dims.dK) * q.middleCols(h * dims.dK, dims.dK);
   }
   // qs rather than q: tau q may overflow where q does not.
-  const bool finite = qs.allFinite() && k.allFinite() && v.allFinite() && dO.allFinite();
+  const bool finite =
+      allFiniteVectorised(qs) && allFiniteVectorised(k) && allFiniteVectorised(v) && allFiniteVectorised(dO);
   const Scalar cap = Scalar(mask::internal::softcapOf(mask));
 
   struct Unit {

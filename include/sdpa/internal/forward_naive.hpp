@@ -20,6 +20,17 @@ template <typename Scalar>
 using ConstRef = Eigen::Ref<const Matrix<Scalar>>;
 
 /**
+ * x.allFinite() in one vectorised pass: x * 0 is 0 where x is finite and NaN where it is inf or
+ * NaN, so the sum is NaN exactly when some entry is not finite. Eigen 3.4's allFinite() ends in a
+ * scalar all(): 5% of a forward at n = 8192, d = 64, where every value tile is checked.
+ */
+template <typename Derived>
+bool allFiniteVectorised(const Eigen::MatrixBase<Derived>& x) {
+  using Scalar = typename Derived::Scalar;
+  return !std::isnan((x.array() * Scalar(0)).sum());
+}
+
+/**
  * out += a b, where a zero entry of a never reads its row of b. Attention weights are exactly 0
  * at hidden positions, and the value (or key, or query) row there must have no effect even if
  * it holds NaN or inf, which a GEMM (0 * NaN = NaN) would not honour; so a non-finite b takes a
@@ -29,7 +40,7 @@ template <typename DA, typename DB, typename DOut>
 void addProductSkippingZeros(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
                              const Eigen::MatrixBase<DOut>& out_) {
   auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
-  if (b.allFinite()) {
+  if (allFiniteVectorised(b)) {
     out.noalias() += a * b;
     return;
   }
