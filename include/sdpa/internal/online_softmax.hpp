@@ -12,6 +12,40 @@
 namespace sdpa::internal {
 
 /**
+ * x[j] = exp(x[j] - m) for n contiguous logits whose maximum is m (finite, or ignored NaNs),
+ * in one pass with Eigen's packet primitives (as Eigen expressions: exp, a -inf ramp and a sum,
+ * three passes). Returns the sum of the weights, or NaN if some x[j] is NaN: the sum of the
+ * arguments, all <= 0, is NaN exactly then. An argument at or below `cut` gives exactly 0: -inf
+ * (a hidden key) and anything whose exp rounds to 0 anyway, as in expHidingMinusInf; the
+ * vectorised exp does not promise exp(-inf) = 0.
+ */
+template <typename Acc>
+Acc expShiftedSum(Acc* x, Index n, Acc m) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Acc>::type;
+  constexpr Index W = ei::packet_traits<Acc>::size;
+  constexpr Acc cut = std::is_same_v<Acc, float> ? Acc(-110) : Acc(-800);
+  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(cut);
+  Packet total = ei::pset1<Packet>(Acc(0)), args = total;
+  Index j = 0;
+  for (; j + W <= n; j += W) {
+    const Packet z = ei::psub(ei::ploadu<Packet>(x + j), pm);
+    const Packet e = ei::pand(ei::pexp(z), ei::pcmp_lt(pcut, z));
+    ei::pstoreu(x + j, e);
+    total = ei::padd(total, e);
+    args = ei::padd(args, z);
+  }
+  Acc sum = ei::predux(total), argSum = ei::predux(args);
+  for (; j < n; ++j) {
+    const Acc z = x[j] - m;
+    x[j] = z > cut ? std::exp(z) : Acc(0);
+    sum += x[j];
+    argSum += z;
+  }
+  return std::isnan(argSum) ? argSum : sum;
+}
+
+/**
  * The running softmax of a block of query rows while blocks of keys stream past (Milakov and
  * Gimelshein's online softmax, as FlashAttention-2 keeps it). For each row i, over the keys seen
  * so far: m_i = max_j s_ij, l_i = sum_j exp(s_ij - m_i) and acc_i = sum_j exp(s_ij - m_i) v_j
@@ -50,16 +84,23 @@ class OnlineSoftmax {
     auto l = sum();
     for (Index i = 0; i < m_rows; ++i) {
       auto row = s.row(i).array();
-      const Acc tileMax = row.template maxCoeff<Eigen::PropagateNaN>();
-      if (!(tileMax < kInf)) m_bad[size_t(i)] = 1;  // NaN or +inf: no finite softmax
+      // The plain maximum (maxCoeff<PropagateNaN> blends every packet: 10% of a forward). A
+      // NaN it misses makes expShiftedSum's sum NaN, or, if it saw only -inf, the scan below.
+      const Acc tileMax = row.maxCoeff();
       const Acc mNew = m(i) > tileMax ? m(i) : tileMax;
-      if (m_bad[size_t(i)] || mNew == -kInf) {  // bad, or nothing visible yet
+      if (!(tileMax < kInf) || (mNew == -kInf && row.hasNaN())) m_bad[size_t(i)] = 1;  // no finite softmax
+      if (m_bad[size_t(i)] || mNew == -kInf) {                                         // bad, or nothing visible yet
         row.setZero();
         continue;
       }
-      row = expHidingMinusInf(row - mNew);
+      const Acc tileSum = expShiftedSum(s.row(i).data(), s.cols(), mNew);
+      if (std::isnan(tileSum)) {
+        m_bad[size_t(i)] = 1;
+        row.setZero();
+        continue;
+      }
       const Acc alpha = std::exp(m(i) - mNew);  // 0 at the first visible tile, 1 if the max held
-      l(i) = alpha * l(i) + row.sum();
+      l(i) = alpha * l(i) + tileSum;
       if (alpha != Acc(1)) a.row(i) *= alpha;
       m(i) = mNew;
     }
@@ -91,16 +132,20 @@ class OnlineSoftmax {
     auto a = acc();
     auto m = max();
     auto l = sum();
-    const bool hasOut = out.cols() > 0;  // d_v = 0: out may be a null block, no row() of it
+    // out is a block of a column-major n_q x (H d_v) matrix: written row by row, each element
+    // would land in another page (4% of a forward at n = 8192). So the rows are scaled as one
+    // block, written in out's own order, and the rare bad or empty rows overwritten after.
+    VecMap r(m_scale.get(m_rows), m_rows);
+    for (Index i = 0; i < m_rows; ++i) r(i) = m_bad[size_t(i)] || m(i) == -kInf ? Acc(0) : Acc(1) / l(i);
+    if (out.cols() > 0) out = (r.asDiagonal() * a).template cast<Out>();  // d_v = 0: no row() of out
     for (Index i = 0; i < m_rows; ++i) {
       if (m_bad[size_t(i)]) {
-        if (hasOut) out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
+        if (out.cols() > 0) out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
         lse(i) = std::numeric_limits<Lse>::quiet_NaN();
       } else if (m(i) == -kInf) {
-        if (hasOut) out.row(i).setZero();
+        if (out.cols() > 0) out.row(i).setZero();
         lse(i) = -std::numeric_limits<Lse>::infinity();
       } else {
-        if (hasOut) out.row(i) = (a.row(i) * (Acc(1) / l(i))).template cast<Out>();
         lse(i) = Lse(m(i) + std::log(l(i)));
       }
     }
@@ -109,7 +154,7 @@ class OnlineSoftmax {
  private:
   static constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   Index m_rows = 0, m_dV = 0;
-  Buffer<Acc> m_acc, m_max, m_sum;
+  Buffer<Acc> m_acc, m_max, m_sum, m_scale;
   std::vector<unsigned char> m_bad;
 };
 
