@@ -6,6 +6,8 @@
 //   cmake --preset bench && cmake --build --preset bench
 //   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE build/bench/bench/bench_forward
 //       --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
+// With libopenblas-dev installed, bench_forward_blas is the same with EIGEN_USE_BLAS: the tiles'
+// products run in OpenBLAS (its SGEMM is then also the "xSGEMM" ceiling).
 #include <sdpa/sdpa.hpp>
 
 #include "common.hpp"

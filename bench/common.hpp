@@ -23,11 +23,16 @@ namespace sdpa_bench {
 using Index = Eigen::Index;
 
 /// Sets the OpenMP thread count for this benchmark (the kernels read it through Eigen::nbThreads).
+/// With EIGEN_USE_BLAS (bench_forward_blas), every sdpa thread calls a one-thread sgemm: an
+/// OpenBLAS built on pthreads would otherwise run each tile's product on all cores.
 inline void setThreads(int n) {
 #ifdef _OPENMP
   omp_set_num_threads(n);
 #else
   (void)n;
+#endif
+#ifdef SDPA_BENCH_OPENBLAS
+  openblas_set_num_threads(1);
 #endif
 }
 
