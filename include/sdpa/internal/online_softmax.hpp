@@ -12,12 +12,12 @@
 namespace sdpa::internal {
 
 /**
- * x[j] = exp(x[j] - m) for n contiguous logits whose maximum is m (finite, or ignored NaNs),
- * in one pass with Eigen's packet primitives (as Eigen expressions: exp, a -inf ramp and a sum,
- * three passes). Returns the sum of the weights, or NaN if some x[j] is NaN: the sum of the
- * arguments, all <= 0, is NaN exactly then. An argument at or below `cut` gives exactly 0: -inf
- * (a hidden key) and anything whose exp rounds to 0 anyway, as in expHidingMinusInf; the
- * vectorised exp does not promise exp(-inf) = 0.
+ * x[j] = exp(x[j] - m) for n contiguous logits whose finite maximum is m (a NaN among them may
+ * have been skipped), in one pass with Eigen's packet primitives (as Eigen expressions: exp, a
+ * -inf ramp and a sum, three passes). Returns the sum of the weights, or NaN if some x[j] is NaN:
+ * the sum of the arguments, all <= 0 otherwise, is NaN exactly then. An argument at or below
+ * `cut` gives exactly 0: -inf (a hidden key) and anything whose exp rounds to 0 anyway, as in
+ * expHidingMinusInf; the vectorised exp does not promise exp(-inf) = 0.
  */
 template <typename Acc>
 Acc expShiftedSum(Acc* x, Index n, Acc m) {
@@ -88,8 +88,9 @@ class OnlineSoftmax {
       // NaN it misses makes expShiftedSum's sum NaN, or, if it saw only -inf, the scan below.
       const Acc tileMax = row.maxCoeff();
       const Acc mNew = m(i) > tileMax ? m(i) : tileMax;
-      if (!(tileMax < kInf) || (mNew == -kInf && row.hasNaN())) m_bad[size_t(i)] = 1;  // no finite softmax
-      if (m_bad[size_t(i)] || mNew == -kInf) {                                         // bad, or nothing visible yet
+      // NaN or +inf: no finite softmax. Then, or with nothing visible yet, the weights are 0.
+      if (!(tileMax < kInf) || (mNew == -kInf && row.hasNaN())) m_bad[size_t(i)] = 1;
+      if (m_bad[size_t(i)] || mNew == -kInf) {
         row.setZero();
         continue;
       }
