@@ -287,7 +287,12 @@ struct Rounding {
         // A -inf logit (from an infinite input) is -inf in any summation order: weight exactly 0.
         ds(i, j) = sj == -INFINITY ? 0.0 : capError + eps * (std::abs(sj) + std::abs(double(b(i, j))));
         dsMax(i) = std::max(dsMax(i), ds(i, j));
-        if (c.dV) vMax(i) = std::max(vMax(i), c.v.row(j).cwiseAbs().maxCoeff());
+        // A non-finite v at a key the row sees has weight exactly 0 wherever the reference is
+        // finite (the only rows and gradients checked): it adds nothing, and an inf or NaN here
+        // made the bound NaN (0 * inf in the gradient bounds).
+        if (c.dV)
+          vMax(i) = std::max(
+              vMax(i), c.v.row(j).unaryExpr([](double x) { return std::isfinite(x) ? std::abs(x) : 0.0; }).maxCoeff());
       }
       if (!std::isfinite(m)) continue;
       double l = 0;
