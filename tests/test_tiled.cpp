@@ -238,6 +238,39 @@ TEMPLATE_TEST_CASE("a NaN logit among hidden keys poisons its row, wherever it s
     check(tiled, "Tiled{" + std::to_string(tiled.blockQ) + ", " + std::to_string(tiled.blockK) + "}");
 }
 
+TEMPLATE_TEST_CASE("a non-finite value whose weight a later, larger logit turns to 0 has no effect", "[tiled][nan]",
+                   float, double) {
+  // Logits 0 for keys 0..46 and 1e4 for key 47: the softmax is one-hot on key 47 and every
+  // other weight is exactly 0 (exp(-1e4) underflows), so the inf, -inf and NaN values of keys 0,
+  // 5 and 20 must not reach the output. The online softmax first sees them with weight 1 (a
+  // tile's or a key split's own maximum is 0), then rescales by exp(0 - 1e4) = 0: a product
+  // 0 * inf there made the output NaN (found by the fuzzer, in the merge of decoding splits).
+  using T = TestType;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  const Index nK = 48;
+  Mat<T> k = Mat<T>::Zero(nK, 1), v = randn<T>(nK, 3, 37);
+  k(nK - 1, 0) = T(1e4);
+  v(0, 1) = inf;
+  v(5, 0) = -inf;
+  v(20, 2) = std::numeric_limits<T>::quiet_NaN();
+  for (const Index nQ : {1, 7}) {
+    const Mat<T> q = Mat<T>::Ones(nQ, 1);
+    const auto check = [&](const auto& kern, const std::string& name) {
+      INFO(name << ", n_q " << nQ);
+      const auto fwd = sdpa::attentionForward(kern, q, k, v, sdpa::scale::None{});
+      for (Index i = 0; i < nQ; ++i) {
+        CHECK(fwd.output.row(i) == v.row(nK - 1));
+        CHECK(fwd.logSumExp(i) == T(1e4));
+      }
+    };
+    check(kernel::Naive{}, "Naive");
+    // Tiled{4, 3} splits a decoding unit's 48 keys four ways (keySplits); {2, 3} and {8, 3} tile
+    // the keys three at a time.
+    for (const auto& tiled : {kernel::Tiled{}, kernel::Tiled{4, 3}, kernel::Tiled{2, 3}, kernel::Tiled{8, 3}})
+      check(tiled, "Tiled{" + std::to_string(tiled.blockQ) + ", " + std::to_string(tiled.blockK) + "}");
+  }
+}
+
 TEMPLATE_TEST_CASE("half and bfloat16 inputs: fp32 accumulation, bounded by the storage epsilon", "[tiled][half]",
                    Eigen::half, Eigen::bfloat16) {
   using H = TestType;

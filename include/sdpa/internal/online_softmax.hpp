@@ -102,7 +102,12 @@ class OnlineSoftmax {
       }
       const Acc alpha = std::exp(m(i) - mNew);  // 0 at the first visible tile, 1 if the max held
       l(i) = alpha * l(i) + tileSum;
-      if (alpha != Acc(1)) a.row(i) *= alpha;
+      // alpha = 0: the earlier keys' weights are exactly 0 now, and a weight of 0 has no effect
+      // even on a non-finite value (acc *= 0 would turn an inf from an earlier tile into NaN).
+      if (alpha == Acc(0))
+        a.row(i).setZero();
+      else if (alpha != Acc(1))
+        a.row(i) *= alpha;
       m(i) = mNew;
     }
   }
@@ -118,7 +123,14 @@ class OnlineSoftmax {
       if (mNew == -kInf) continue;
       const Acc x = std::exp(m(i) - mNew), y = std::exp(mo(i) - mNew);
       l(i) = x * l(i) + y * lo(i);
-      a.row(i) = x * a.row(i) + y * b.row(i);
+      // A side whose factor is 0 has all its weights exactly 0 in the merged softmax: it is left
+      // out, not multiplied by 0 (its acc may hold the inf of a value no longer weighted).
+      if (y == Acc(0))
+        a.row(i) *= x;
+      else if (x == Acc(0))
+        a.row(i) = y * b.row(i);
+      else
+        a.row(i) = x * a.row(i) + y * b.row(i);
       m(i) = mNew;
     }
   }
