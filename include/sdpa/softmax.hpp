@@ -28,6 +28,11 @@ void assertFloatingVector() {
                      THIS_FUNCTION_TAKES_A_VECTOR__USE_rowSoftmax_OR_rowLogSumExp_FOR_A_MATRIX);
 }
 
+/// Arguments at or below this give weight exactly 0 (exp(kExpCut) rounds to 0 in S): the
+/// cut-off of expHidingMinusInf and of the online softmax's exp pass.
+template <typename S>
+inline constexpr S kExpCut = std::is_same_v<S, float> ? S(-110) : S(-800);
+
 /**
  * exp(z) elementwise with exp(-inf) = 0 exactly, vectorised. Eigen's vectorised exp clamps its
  * argument (exp(-inf) comes out as 1e-39 in SSE float, 5e-309 in double), and Eigen 3.4's
@@ -38,7 +43,7 @@ void assertFloatingVector() {
 template <typename Derived>
 auto expHidingMinusInf(const Eigen::ArrayBase<Derived>& z) {
   using S = typename Derived::Scalar;
-  constexpr S cut = std::is_same_v<S, float> ? S(-110) : S(-800);
+  constexpr S cut = kExpCut<S>;
   return z.max(cut).exp() * (z - cut).max(S(0)).min(S(1));
 }
 

@@ -228,6 +228,11 @@ std::string dump(const Case& c, Index i, const Mat<T>& out, const Eigen::Matrix<
   return s.str();
 }
 
+/// m with its inf and NaN entries replaced by 0.
+inline Mat<double> finite(const Mat<double>& m) {
+  return m.unaryExpr([](double x) { return std::isfinite(x) ? x : 0.0; });
+}
+
 /**
  * First-order rounding analysis in precision T, shared by the forward and backward checks. Any
  * summation order computes logit s_ij = tau q_i.k_j (+ b_ij) with an error of at most
@@ -290,9 +295,7 @@ struct Rounding {
         // A non-finite v at a key the row sees has weight exactly 0 wherever the reference is
         // finite (the only rows and gradients checked): it adds nothing, and an inf or NaN here
         // made the bound NaN (0 * inf in the gradient bounds).
-        if (c.dV)
-          vMax(i) = std::max(
-              vMax(i), c.v.row(j).unaryExpr([](double x) { return std::isfinite(x) ? std::abs(x) : 0.0; }).maxCoeff());
+        if (c.dV) vMax(i) = std::max(vMax(i), finite(c.v.row(j)).cwiseAbs().maxCoeff());
       }
       if (!std::isfinite(m)) continue;
       double l = 0;
@@ -412,9 +415,6 @@ struct GradientBounds {
     const Rounding<T> r(c, tau, vis, b, cap);
     const double eps = Rounding<T>::eps, t = std::abs(double(tau));
     // The reference gradients are finite, so a non-finite input is one no row sees: out of the sums.
-    const auto finite = [](const Mat<double>& m) {
-      return Mat<double>(m.unaryExpr([](double x) { return std::isfinite(x) ? x : 0.0; }));
-    };
     const Mat<double> vf = finite(c.v);
     const Mat<double> o = r.p * vf;  // n_q x d_v
     Mat<double> dS = Mat<double>::Zero(c.nQ, c.nK), ddS = dS, dp = dS;

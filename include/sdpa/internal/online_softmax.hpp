@@ -24,7 +24,7 @@ Acc expShiftedSum(Acc* x, Index n, Acc m) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<Acc>::type;
   constexpr Index W = ei::packet_traits<Acc>::size;
-  constexpr Acc cut = std::is_same_v<Acc, float> ? Acc(-110) : Acc(-800);
+  constexpr Acc cut = kExpCut<Acc>;
   const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(cut);
   Packet total = ei::pset1<Packet>(Acc(0)), args = total;
   Index j = 0;
@@ -124,12 +124,11 @@ class OnlineSoftmax {
       const Acc x = std::exp(m(i) - mNew), y = std::exp(mo(i) - mNew);
       l(i) = x * l(i) + y * lo(i);
       // A side whose factor is 0 has all its weights exactly 0 in the merged softmax: it is left
-      // out, not multiplied by 0 (its acc may hold the inf of a value no longer weighted).
-      if (y == Acc(0))
-        a.row(i) *= x;
-      else if (x == Acc(0))
+      // out, not multiplied by 0 (its acc may hold the inf of a value no longer weighted). One
+      // factor is exp(0) = 1, so y = 0 leaves a as it is.
+      if (x == Acc(0))
         a.row(i) = y * b.row(i);
-      else
+      else if (y != Acc(0))
         a.row(i) = x * a.row(i) + y * b.row(i);
       m(i) = mNew;
     }
@@ -148,15 +147,16 @@ class OnlineSoftmax {
     // out is a block of a column-major n_q x (H d_v) matrix: written row by row, each element
     // would land in another page (4% of a forward at n = 8192). So the rows are scaled as one
     // block, written in out's own order, and the rare bad or empty rows overwritten after.
+    const bool hasOut = out.cols() > 0;  // d_v = 0: out may be a null block, no row() of it
     VecMap r(m_scale.get(m_rows), m_rows);
     for (Index i = 0; i < m_rows; ++i) r(i) = m_bad[size_t(i)] || m(i) == -kInf ? Acc(0) : Acc(1) / l(i);
-    if (out.cols() > 0) out = (r.asDiagonal() * a).template cast<Out>();  // d_v = 0: no row() of out
+    if (hasOut) out = (r.asDiagonal() * a).template cast<Out>();
     for (Index i = 0; i < m_rows; ++i) {
       if (m_bad[size_t(i)]) {
-        if (out.cols() > 0) out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
+        if (hasOut) out.row(i).setConstant(Out(std::numeric_limits<Acc>::quiet_NaN()));
         lse(i) = std::numeric_limits<Lse>::quiet_NaN();
       } else if (m(i) == -kInf) {
-        if (out.cols() > 0) out.row(i).setZero();
+        if (hasOut) out.row(i).setZero();
         lse(i) = -std::numeric_limits<Lse>::infinity();
       } else {
         lse(i) = Lse(m(i) + std::log(l(i)));
