@@ -66,6 +66,48 @@ void weightsFromLogSumExp(const Eigen::ArrayBase<DL>& l, const Eigen::ArrayBase<
 }
 
 /**
+ * The softmax of one row of logits as the backward pass keeps it: the row maximum m and
+ * l = sum_j exp(L_j - m), never folded into one logSumExp m + log l. Rounded to float, that sum
+ * is off by half an ulp of |m| (2e-6 at |L| = 60), an error that every weight exp(L - lse) would
+ * take on while a plain softmax, exp(L - m) / l, has none of it (NUMERICS.md). m is NaN for a row
+ * with a NaN or +inf visible logit and -inf for a row with nothing visible (then l = 0).
+ */
+template <typename Scalar>
+struct RowSoftmax {
+  Scalar max, sum;
+};
+
+/// RowSoftmax of one row of logits (hidden entries -inf), as softmaxInPlace computes it.
+template <typename Derived>
+RowSoftmax<typename Derived::Scalar> rowMaxAndSum(const Eigen::ArrayBase<Derived>& l) {
+  using Scalar = typename Derived::Scalar;
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+  if (l.size() == 0) return {-inf, Scalar(0)};
+  const Scalar m = l.template maxCoeff<Eigen::PropagateNaN>();
+  if (m == -inf) return {-inf, Scalar(0)};
+  if (!(m < inf)) return {std::numeric_limits<Scalar>::quiet_NaN(), Scalar(0)};
+  return {m, expHidingMinusInf(l - m).sum()};
+}
+
+/**
+ * The weights P = exp(L - m) / l of one row from its RowSoftmax, written into p (may alias l):
+ * hidden entries (-inf) and a row with nothing visible (m = -inf) give exactly 0; a row with a
+ * NaN or +inf logit (m NaN) gives NaN at its visible entries only, so that the NaN does not
+ * reach the gradients of keys the row never saw.
+ */
+template <typename DL, typename DP, typename Scalar>
+void weightsFromRowSoftmax(const Eigen::ArrayBase<DL>& l, const Eigen::ArrayBase<DP>& p_, RowSoftmax<Scalar> row) {
+  auto& p = const_cast<Eigen::ArrayBase<DP>&>(p_);  // Eigen's idiom to write into blocks
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+  if (row.max == -inf)
+    p.setZero();
+  else if (std::isnan(row.max))
+    for (Index j = 0; j < p.size(); ++j) p(j) = l(j) == -inf ? Scalar(0) : std::numeric_limits<Scalar>::quiet_NaN();
+  else
+    p = expHidingMinusInf(l - row.max) / row.sum;
+}
+
+/**
  * Replaces x (a row or vector of logits) by softmax(x) and returns logSumExp(x).
  * All -inf (or empty): x becomes 0, returns -inf. Any NaN: x becomes NaN, returns NaN.
  */

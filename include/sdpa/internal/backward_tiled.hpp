@@ -13,6 +13,7 @@
 #include "forward_naive.hpp"
 #include "forward_tiled.hpp"
 #include "macros.hpp"
+#include "math.hpp"
 #include "online_softmax.hpp"
 #include "parallel.hpp"
 
@@ -20,34 +21,47 @@ namespace sdpa::internal {
 
 /**
  * The tiled backward (FlashAttention-2's): each work unit owns one block of keys of one kv head
- * and walks the query blocks of every query head that reads it, recomputing each tile's P from
- * the saved logSumExp, so no n_q x n_k buffer exists. dk and dv of the block are written by
- * their unit alone; dq rows receive a term from every key block, so each thread accumulates dq
- * (and dtau, and a shared bias gradient) in its own buffer, summed after the loop.
+ * and walks the query blocks of every query head that reads it, recomputing each tile's P, so no
+ * n_q x n_k buffer exists. dk and dv of the block are written by their unit alone; dq rows
+ * receive a term from every key block, so each thread accumulates dq (and dtau, and a shared
+ * bias gradient) in its own buffer, summed after the loop.
+ *
+ * P is not rebuilt from the forward's logSumExp but from this pass's own row maxima and sums
+ * (RowSoftmax), gathered by a first pass over the same tiles with the same products: the
+ * weights are then the softmax of exactly the logits this pass differentiates, whichever kernel,
+ * tile shape or decoding path the forward took (NUMERICS.md).
  */
 template <typename Scalar>
 struct backward_tiled_impl {
   using TileMap = Eigen::Map<RowMajorMatrix<Scalar>>;
 
   struct Scratch {
-    Buffer<Scalar> x, y, p, pDropped, dp, g;
+    Buffer<Scalar> x, y, t, p, pDropped, dp, g;
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
     return scratch;
   }
 
-  /// Everything a tile needs besides its position. q, qs = tau q, k, v, o, dO are the head's
+  /// Everything a tile needs besides its position. q, qs = tau q, k, v, dO are the head's
   /// blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no zero-skipping).
-  template <typename Scale, typename Mask>
+  template <typename Mask>
   struct Head {
     ConstRef<Scalar> q, qs, k, v, dO;
-    Eigen::Ref<const Vector<Scalar>> lse, rowD;  // n_q each; rowD_i = dO_i . O_i
     const Mask& mask;
     Scalar tau, cap;         // the head's scale; the softcap, 0 for none
     Index head, row0, col0;  // query head; position of the item in the packed batch (dropout)
     Index dbiasRow0;         // row of the head's (0, 0) in the bias gradient
     bool finite;
+    /// The logits before the mask, Y = tau q k^T, are kept beside L when L is not Y wherever
+    /// it is visible: under a softcap or an additive mask.
+    bool keepY() const { return cap > 0 || Mask::HasBias; }
+  };
+
+  /// The head's row statistics (n_q each): the softmax of each row over all keys, D_i =
+  /// sum_j P_ij dP_ij, and dL/dtau's factor at the row's maximum (the centre of the dtau sum).
+  struct Rows {
+    Eigen::Ref<Vector<Scalar>> max, sum, d, centre;
   };
 
   /// out += a b, skipping the rows of b whose weight is 0 unless every input is finite.
@@ -61,35 +75,128 @@ struct backward_tiled_impl {
       addProductSkippingZeros(a, b, out);
   }
 
+  /// forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y)). x (bq x bk) becomes L and, if
+  /// the head keeps it, y becomes Y. Both passes of the backward compute logits here alone, so
+  /// that they are bitwise the same.
+  template <typename Mask>
+  static void logits(const Head<Mask>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
+                     TileMap& y) {
+    x.noalias() = h.qs.middleRows(i0, bq) * h.k.middleRows(j0, bk).transpose();
+    if (h.keepY()) y = x;
+    if (kind == mask::Tile::Partial) h.mask.apply(x, i0, j0, h.q.rows(), h.k.rows(), h.head);
+  }
+
+  /// forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
+  template <typename Mask>
+  static void valueGradient(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
+                            TileMap& dp) {
+    dp.noalias() = h.dO.middleRows(i0, bq) * h.v.middleRows(j0, bk).transpose();
+    if (dropout.enabled()) {
+      const Scalar keepScale = Scalar(dropout.keepScale());
+      for (Index r = 0; r < bq; ++r)
+        for (Index c = 0; c < bk; ++c)
+          dp(r, c) = dropout.keep(h.row0 + i0 + r, h.col0 + j0 + c, h.head) ? dp(r, c) * keepScale : Scalar(0);
+    }
+  }
+
+  /**
+   * The first pass, for query rows [i0, i0 + bq) over every key tile [j0, j0 + bk) of the head
+   * (the tiles of the second pass, with the same products): the running maximum and sum of each
+   * row, as OnlineSoftmax keeps them, the running sum_j exp(L_ij - m_i) dP_ij for D, and Y at the
+   * row's maximum. A NaN or +inf visible logit marks the row with a NaN maximum, as the forward
+   * does.
+   *
+   * D is the softmax's own sum_j P_ij dP_ij, not FlashAttention-2's shortcut dO_i . O_i: with the
+   * forward's rounded O, dP_ij - D loses every digit in a row whose weight sits on one key (a
+   * large logit), where a plain computation, summing the same dP it subtracts from, cancels
+   * exactly (NUMERICS.md). It costs the dP product a second time.
+   */
+  template <typename Mask>
+  static void rowStatistics(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+                            Scratch& sc) {
+    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+    const Index nQ = h.q.rows(), nK = h.k.rows();
+    auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
+    auto yc = rows.centre.segment(i0, bq);
+    m.setConstant(-inf);
+    l.setZero();
+    d.setZero();
+    yc.setZero();
+    const bool keepY = h.keepY();
+    for (Index j0 = 0; j0 < nK; j0 += tileK) {
+      const Index bk = std::min(tileK, nK - j0);
+      const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
+      if (kind == mask::Tile::Hidden) continue;
+      TileMap x(sc.x.get(bq * bk), bq, bk), y(sc.y.get(keepY ? bq * bk : 0), keepY ? bq : 0, bk);
+      TileMap dp(sc.dp.get(bq * bk), bq, bk);
+      logits(h, i0, bq, j0, bk, kind, x, y);
+      valueGradient(h, dropout, i0, bq, j0, bk, dp);
+      for (Index r = 0; r < bq; ++r) {
+        if (std::isnan(m(r))) continue;
+        auto row = x.row(r).array();
+        // The plain maximum, and a NaN it misses caught by the exp pass, as in OnlineSoftmax.
+        const Scalar tileMax = row.maxCoeff();
+        if (!(tileMax < inf)) {
+          m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+          continue;
+        }
+        const Scalar mNew = std::max(m(r), tileMax);
+        if (mNew == -inf) {
+          if (row.hasNaN()) m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+          continue;
+        }
+        if (tileMax > m(r)) {
+          Index jc = 0;
+          row.maxCoeff(&jc);
+          yc(r) = keepY ? y(r, jc) : tileMax;
+        }
+        const Scalar tileSum = expShiftedSum(x.row(r).data(), bk, mNew);  // x becomes exp(L - m)
+        if (std::isnan(tileSum)) {
+          m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+          continue;
+        }
+        const Scalar alpha = std::exp(m(r) - mNew);  // 0 at the first visible tile
+        l(r) = alpha * l(r) + tileSum;
+        d(r) = alpha * d(r) + centredDotSkippingZeros(x.row(r).data(), dp.row(r).data(), bk, Scalar(0));
+        m(r) = mNew;
+      }
+    }
+    for (Index r = 0; r < bq; ++r) {
+      if (l(r) > Scalar(0)) d(r) /= l(r);
+      // The centre as dL/dtau's factor (in units of tau): Y softcap'(Y) at the maximum.
+      if (h.cap > 0) {
+        const Scalar t = tanhAccurate(yc(r) / h.cap);
+        yc(r) *= Scalar(1) - t * t;
+      }
+    }
+  }
+
   /**
    * One tile: query rows [i0, i0 + bq) x keys [j0, j0 + bk). Accumulates dq rows (bq x d_k),
    * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient; returns the tile's
    * dL/dtau. Each step quotes the forward line it differentiates.
    */
-  template <typename Scale, typename Mask, typename DQ, typename DK, typename DV>
-  static Scalar tile(const Head<Scale, Mask>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
-                     mask::Tile kind, const Eigen::MatrixBase<DQ>& dq_, const Eigen::MatrixBase<DK>& dk,
+  template <typename Mask, typename DQ, typename DK, typename DV>
+  static double tile(const Head<Mask>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
+                     Index bk, mask::Tile kind, const Eigen::MatrixBase<DQ>& dq_, const Eigen::MatrixBase<DK>& dk,
                      const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias, Scratch& sc) {
     auto& dq = const_cast<Eigen::MatrixBase<DQ>&>(dq_);
-    const Index nQ = h.q.rows(), nK = h.k.rows(), dK = h.q.cols();
+    const Index dK = h.q.cols();
     const auto qi = h.q.middleRows(i0, bq);
     const auto qsi = h.qs.middleRows(i0, bq);
     const auto kj = h.k.middleRows(j0, bk);
-    const auto vj = h.v.middleRows(j0, bk);
     const auto dOi = h.dO.middleRows(i0, bq);
 
-    // forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y))
+    // forward: Y = tau q k^T;  L = mask(softcap(Y))
+    const bool keepY = h.keepY();
     TileMap x(sc.x.get(bq * bk), bq, bk), p(sc.p.get(bq * bk), bq, bk), dp(sc.dp.get(bq * bk), bq, bk);
-    x.noalias() = qsi * kj.transpose();
-    TileMap y(sc.y.get(h.cap > 0 ? bq * bk : 0), h.cap > 0 ? bq : 0, bk);
-    if (h.cap > 0) y = x;  // the softcap's derivative needs Y
-    if (kind == mask::Tile::Partial) h.mask.apply(x, i0, j0, nQ, nK, h.head);
+    TileMap y(sc.y.get(keepY ? bq * bk : 0), keepY ? bq : 0, bk);
+    logits(h, i0, bq, j0, bk, kind, x, y);
 
-    // forward: P = exp(L - lse); hidden entries and fully masked rows (lse = -inf) are exactly 0.
-    for (Index r = 0; r < bq; ++r) {
-      const Scalar l = h.lse(i0 + r);
-      weightsFromLogSumExp(x.row(r).array(), p.row(r).array(), l);
-    }
+    // forward: P = softmax(L) = exp(L - m) / l; hidden entries and fully masked rows are exactly 0.
+    for (Index r = 0; r < bq; ++r)
+      weightsFromRowSoftmax(x.row(r).array(), p.row(r).array(),
+                            RowSoftmax<Scalar>{rows.max(i0 + r), rows.sum(i0 + r)});
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO
     if (dropout.enabled()) {
@@ -101,22 +208,16 @@ struct backward_tiled_impl {
       addProduct(h.finite, p.transpose(), dOi, dv);
     }
 
-    // forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
-    dp.noalias() = dOi * vj.transpose();
-    if (dropout.enabled()) {
-      const Scalar keepScale = Scalar(dropout.keepScale());
-      for (Index r = 0; r < bq; ++r)
-        for (Index c = 0; c < bk; ++c)
-          dp(r, c) = dropout.keep(h.row0 + i0 + r, h.col0 + j0 + c, h.head) ? dp(r, c) * keepScale : Scalar(0);
-    }
+    // forward: O = Pd v   =>   dP, as the first pass computed it for D
+    valueGradient(h, dropout, i0, bq, j0, bk, dp);
 
-    // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = dO_i . O_i. Where P is 0 (hidden)
+    // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = sum_j P_ij dP_ij. Where P is 0 (hidden)
     // dL is 0 even if dP is NaN or inf there: from a non-finite input, or from finite ones whose
     // product overflows (|v| near the largest float). Eigen 3.4's select is scalar, so the
     // select path runs only when the inputs or this tile's dP are not all finite.
     const bool finite = h.finite && allFiniteVectorised(dp);
     for (Index r = 0; r < bq; ++r) {
-      const Scalar d = h.rowD(i0 + r);
+      const Scalar d = rows.d(i0 + r);
       auto pr = p.row(r).array();
       if (finite)
         dp.row(r).array() = pr * (dp.row(r).array() - d);
@@ -126,24 +227,48 @@ struct backward_tiled_impl {
     // forward: L = softcap(Y) + bias   =>   dbias = dL
     if (dbias) dbias->block(h.dbiasRow0 + i0, j0, bq, bk) += dp;
 
-    // forward: softcap(Y) = c tanh(Y / c)   =>   dY = dL (1 - tanh^2(Y / c))
+    // softcap'(Y) = 1 - tanh^2(Y / c), into t; then Y softcap'(Y), dL/dtau's factor (in units of
+    // tau), into y. Without a softcap that factor is Y, which is L wherever dL is not 0.
+    TileMap t(sc.t.get(h.cap > 0 ? bq * bk : 0), h.cap > 0 ? bq : 0, bk);
     if (h.cap > 0) {
-      auto t = (y.array() / h.cap).tanh();
-      if (finite)
-        dp.array() *= Scalar(1) - t * t;
-      else
-        dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * (Scalar(1) - t * t)).matrix();
+      t = y;
+      for (Index r = 0; r < bq; ++r) tanhInPlace(t.row(r).data(), bk, h.cap, Scalar(1));
+      t.array() = Scalar(1) - t.array() * t.array();
+      y.array() *= t.array();
+    }
+    // forward: L = softcap(tau X) + bias   =>   dtau = sum_ij dL_ij X_ij softcap'(Y_ij). Each row of
+    // dL sums to 0, so the row's centre (that factor at its maximum) may be taken off every term:
+    // the same value in exact arithmetic, and in float it stops the rounding left in a row's sum
+    // of dL from being multiplied by logits of 40 or more. Rows in
+    // float, the tiles' sums in double (NUMERICS.md). tau = 0: Y = 0 says nothing of X, and dtau
+    // is read off G = dY k below.
+    double dtau = 0;
+    if (h.tau != Scalar(0)) {
+      const TileMap& factor = keepY ? y : x;
+      for (Index r = 0; r < bq; ++r)
+        dtau += double(centredDotSkippingZeros(dp.row(r).data(), factor.row(r).data(), bk, rows.centre(i0 + r)));
+      dtau /= double(h.tau);
     }
 
-    // forward: Y = tau X, X = q k^T   =>   dX = tau dY;  dq += dX k = tau (dY k);  dk += dX^T q = dY^T (tau q);
-    // dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i, read off G = dY k at b_q x d_k cost.
+    // forward: softcap(Y) = c tanh(Y / c)   =>   dY = dL (1 - tanh^2(Y / c))
+    if (h.cap > 0) {
+      if (finite)
+        dp.array() *= t.array();
+      else
+        dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * t.array()).matrix();
+    }
+
+    // forward: Y = tau X, X = q k^T   =>   dX = tau dY;  dq += dX k = tau (dY k);  dk += dX^T q = dY^T (tau q)
     Eigen::Map<Matrix<Scalar>> g(sc.g.get(bq * dK), bq, dK);
     g.setZero();
     addProduct(finite, dp, kj, g);
     dq += h.tau * g;
     addProduct(finite, dp.transpose(), qsi, dk);
-    if (finite) return (qi.array() * g.array()).sum();
-    return (g.array() == Scalar(0)).select(Scalar(0), qi.array() * g.array()).sum();
+    if (h.tau == Scalar(0)) {  // dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i
+      if (finite) return double((qi.array() * g.array()).sum());
+      return double((g.array() == Scalar(0)).select(Scalar(0), qi.array() * g.array()).sum());
+    }
+    return dtau;
   }
 };
 
@@ -153,17 +278,17 @@ struct backward_tiled_impl {
  */
 template <typename Scalar, typename Scale, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
-                   const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
+                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO,
+                   const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
                    const Scale& scale, const Mask& mask, const Dropout& dropout, Matrix<Scalar>& dq, Matrix<Scalar>& dk,
                    Matrix<Scalar>& dv, Vector<Scalar>& dscale, Matrix<Scalar>* dbias) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
     // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
     // behaviour, so run with one zero column and drop its gradient. d_k = 0: the logits are 0
-    // either way and dtau = sum dY X = 0. d_v = 0: zero dO and O give D = 0 and dP = 0, so every
+    // either way and dtau = sum dY X = 0. d_v = 0: a zero dO gives dP = 0 and D = 0, so every
     // gradient is 0, as it is for a loss that cannot depend on an empty output.
-    Matrix<Scalar> q1, k1, dq1, dk1, v1, o1, dO1, dv1;
+    Matrix<Scalar> q1, k1, dq1, dk1, v1, dO1, dv1;
     if (dims.dK == 0) {
       q1.setZero(q.rows(), heads.query);
       k1.setZero(k.rows(), heads.keyValue);
@@ -172,14 +297,13 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     }
     if (dims.dV == 0) {
       v1.setZero(v.rows(), heads.keyValue);
-      o1.setZero(o.rows(), heads.query);
       dO1.setZero(dO.rows(), heads.query);
       dv1.setZero(v.rows(), heads.keyValue);
     }
     const bool noK = dims.dK == 0;
     const bool noV = dims.dV == 0;
     backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
-                          noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(o1) : o, lse,
+                          noV ? ConstRef<Scalar>(v1) : v,
                           noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
                           noK ? dq1 : dq, noK ? dk1 : dk, noV ? dv1 : dv, dscale, dbias);
@@ -190,12 +314,10 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   std::vector<ItemHead> pairs;  // item-major: pairs[b * H + h]
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
-  // Once per call: D_i = dO_i . O_i of every row and head (n_q x H); qs = tau_h q (the scale
-  // folded into q, as in the forward); whether every input is finite.
-  Matrix<Scalar> rowD(q.rows(), H), qs(q.rows(), q.cols());
+  // Once per call: qs = tau_h q (the scale folded into q, as in the forward); whether every
+  // input is finite. (The forward's output O is not read: D is summed from this pass's P.)
+  Matrix<Scalar> qs(q.rows(), q.cols());
   for (Index h = 0; h < H; ++h) {
-    rowD.col(h) =
-        (dO.middleCols(h * dims.dV, dims.dV).array() * o.middleCols(h * dims.dV, dims.dV).array()).rowwise().sum();
     qs.middleCols(h * dims.dK, dims.dK) =
         headScale(scale, h).template value<Scalar>(dims.dK) * q.middleCols(h * dims.dK, dims.dK);
   }
@@ -204,6 +326,50 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       allFiniteVectorised(qs) && allFiniteVectorised(k) && allFiniteVectorised(v) && allFiniteVectorised(dO);
   const Scalar cap = Scalar(mask::internal::softcapOf(mask));
 
+  // The head of pair u as a tile sees it, handed to f (the item's mask lives in this frame).
+  const auto withHead = [&](const ItemHead& u, const auto& f) {
+    const auto m = itemMask(mask, u);
+    const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
+    const typename Impl::template Head<std::decay_t<decltype(m)>> hd{
+        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+        qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+        k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
+        dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+        m,
+        headScale(scale, u.head).template value<Scalar>(dims.dK),
+        cap,
+        u.head,
+        u.q0,
+        u.k0,
+        dbiasRow0,
+        finite};
+    f(hd);
+  };
+  // Rows of every (item, head): the softmax of each row and the centre of its dtau sum.
+  Matrix<Scalar> rowMax(q.rows(), H), rowSum(q.rows(), H), rowD(q.rows(), H), centre(q.rows(), H);
+  const auto rowsOf = [&](const ItemHead& u) {
+    return typename Impl::Rows{rowMax.col(u.head).segment(u.q0, u.nQ), rowSum.col(u.head).segment(u.q0, u.nQ),
+                               rowD.col(u.head).segment(u.q0, u.nQ), centre.col(u.head).segment(u.q0, u.nQ)};
+  };
+
+  // First pass: work units (item, head, query block), in parallel.
+  struct RowUnit {
+    Index pair, i0, rows;
+  };
+  std::vector<RowUnit> rowUnits;
+  for (Index p = 0; p < Index(pairs.size()); ++p)
+    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
+      rowUnits.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
+  parallelFor(Index(rowUnits.size()), int(std::min<Index>(maxThreads(), Index(rowUnits.size()))), [&](Index w) {
+    const RowUnit& ru = rowUnits[size_t(w)];
+    const ItemHead& u = pairs[size_t(ru.pair)];
+    withHead(u, [&](const auto& hd) {
+      Impl::rowStatistics(hd, dropout, ru.i0, ru.rows, tile.k, rowsOf(u), Impl::threadScratch());
+    });
+  });
+
+  // Second pass: work units (item, kv head, key block).
   struct Unit {
     Index item, kvHead, j0, cols;
   };
@@ -218,7 +384,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   std::vector<Matrix<Scalar>> dqT(size_t(std::max(0, threads - 1)), Matrix<Scalar>::Zero(dq.rows(), dq.cols()));
   std::vector<Matrix<Scalar>> dbiasT(dbias ? size_t(std::max(0, threads - 1)) : 0);
   for (auto& m : dbiasT) m.setZero(dbias->rows(), dbias->cols());
-  std::vector<Vector<Scalar>> dscaleT(size_t(std::max(1, threads)), Vector<Scalar>::Zero(H));
+  std::vector<Vector<double>> dscaleT(size_t(std::max(1, threads)), Vector<double>::Zero(H));
 
   parallelFor(Index(units.size()), threads, [&](Index w) {
     const Unit& un = units[size_t(w)];
@@ -228,40 +394,26 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     auto& sc = Impl::threadScratch();
     for (Index h = un.kvHead * group; h < (un.kvHead + 1) * group; ++h) {
       const ItemHead& u = pairs[size_t(un.item * H + h)];
-      const auto m = itemMask(mask, u);
-      const auto& sh = headScale(scale, u.head);
-      const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
-      const typename Impl::template Head<std::decay_t<decltype(sh)>, std::decay_t<decltype(m)>> hd{
-          q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-          qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-          k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
-          dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
-          lse.col(u.head).segment(u.q0, u.nQ),
-          rowD.col(u.head).segment(u.q0, u.nQ),
-          m,
-          sh.template value<Scalar>(dims.dK),
-          cap,
-          u.head,
-          u.q0,
-          u.k0,
-          dbiasRow0,
-          finite};
-      auto dqHead = dqDst.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
-      auto dkBlock = dk.block(u.k0 + un.j0, u.kvHead * dims.dK, un.cols, dims.dK);
-      auto dvBlock = dv.block(u.k0 + un.j0, u.kvHead * dims.dV, un.cols, dims.dV);
-      for (Index i0 = 0; i0 < u.nQ; i0 += tile.q) {
-        const Index rows = std::min(tile.q, u.nQ - i0);
-        const mask::Tile kind = m.classify(i0, rows, un.j0, un.cols, u.nQ, u.nK, u.head);
-        if (kind == mask::Tile::Hidden) continue;
-        dscaleT[size_t(t)](u.head) += Impl::tile(hd, dropout, i0, rows, un.j0, un.cols, kind,
-                                                 dqHead.middleRows(i0, rows), dkBlock, dvBlock, dbDst, sc);
-      }
+      withHead(u, [&](const auto& hd) {
+        const auto rows = rowsOf(u);
+        auto dqHead = dqDst.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
+        auto dkBlock = dk.block(u.k0 + un.j0, u.kvHead * dims.dK, un.cols, dims.dK);
+        auto dvBlock = dv.block(u.k0 + un.j0, u.kvHead * dims.dV, un.cols, dims.dV);
+        for (Index i0 = 0; i0 < u.nQ; i0 += tile.q) {
+          const Index bq = std::min(tile.q, u.nQ - i0);
+          const mask::Tile kind = hd.mask.classify(i0, bq, un.j0, un.cols, u.nQ, u.nK, u.head);
+          if (kind == mask::Tile::Hidden) continue;
+          dscaleT[size_t(t)](u.head) += Impl::tile(hd, rows, dropout, i0, bq, un.j0, un.cols, kind,
+                                                   dqHead.middleRows(i0, bq), dkBlock, dvBlock, dbDst, sc);
+        }
+      });
     }
   });
   for (const auto& m : dqT) dq += m;
   for (const auto& m : dbiasT) *dbias += m;
-  for (const auto& s : dscaleT) dscale += s;
+  Vector<double> total = Vector<double>::Zero(H);
+  for (const auto& s : dscaleT) total += s;
+  dscale += total.template cast<Scalar>();
 }
 
 }  // namespace sdpa::internal
