@@ -134,6 +134,48 @@ TEMPLATE_TEST_CASE("batched varlen and padded layouts equal per-item calls", "[m
   }
 }
 
+TEMPLATE_TEST_CASE("a padded item computes what a call on its valid rows computes, whatever the alignment",
+                   "[multihead][batch][backward]", float, double) {
+  // LowerRight puts the last valid query on the last valid key of each item (FlashAttention's
+  // varlen convention), not the last padded ones: items 1 and 3 have other paddings than item 0.
+  using T = TestType;
+  const Index B = 4, H = 2, hKv = 1, dK = 5, dV = 3, nQ = 4, nK = 7;
+  const std::vector<Index> qLen = {4, 2, 3, 1}, kLen = {7, 5, 3, 6};
+  const Mat<T> q = randn<T>(B * nQ, H * dK, 11), k = randn<T>(B * nK, hKv * dK, 12), v = randn<T>(B * nK, hKv * dV, 13),
+               dO = randn<T>(B * nQ, H * dV, 14);
+  const auto layout = sdpa::BatchLayout::padded(B, nQ, nK, qLen, kLen);
+  const sdpa::Heads heads{H, hKv};
+  const T tol = 16 * std::numeric_limits<T>::epsilon();
+  const auto check = [&](const auto& kern, const auto& m) {
+    const auto f = sdpa::batchedAttentionForward(kern, q, k, v, layout, heads, scale::InvSqrtDk{}, m);
+    const auto g = sdpa::batchedAttentionBackward(kern, q, k, v, f, dO, layout, heads, scale::InvSqrtDk{}, m);
+    for (Index b = 0; b < B; ++b) {
+      INFO("item " << b);
+      const Index ql = qLen[size_t(b)], kl = kLen[size_t(b)];
+      const Mat<T> iq = q.middleRows(b * nQ, ql), ik = k.middleRows(b * nK, kl), iv = v.middleRows(b * nK, kl);
+      const auto fi = sdpa::multiHeadAttentionForward(kern, iq, ik, iv, heads, scale::InvSqrtDk{}, m);
+      const auto gi = sdpa::multiHeadAttentionBackward(kern, iq, ik, iv, fi, Mat<T>(dO.middleRows(b * nQ, ql)), heads,
+                                                       scale::InvSqrtDk{}, m);
+      CHECK(maxAbsDiff(f.output.middleRows(b * nQ, ql), fi.output) <= tol);
+      CHECK(maxAbsDiff(f.logSumExp.middleRows(b * nQ, ql), fi.logSumExp) <= tol * 8);
+      CHECK(maxAbsDiff(g.dq.middleRows(b * nQ, ql), gi.dq) <= tol);
+      CHECK(maxAbsDiff(g.dk.middleRows(b * nK, kl), gi.dk) <= tol);
+      CHECK(maxAbsDiff(g.dv.middleRows(b * nK, kl), gi.dv) <= tol);
+    }
+  };
+  const auto everyKernel = [&](const auto& m) {
+    check(sdpa::kernel::Naive{}, m);
+    check(sdpa::kernel::Tiled{}, m);
+    check(sdpa::kernel::Tiled{1, 2}, m);  // decoding blocks and tiles that end inside the padding
+  };
+  SECTION("causal, lower right") { everyKernel(mask::Causal{Align::LowerRight}); }
+  SECTION("causal, upper left") { everyKernel(mask::Causal{Align::UpperLeft}); }
+  SECTION("sliding window, lower right") { everyKernel(mask::SlidingWindow{2, 0, Align::LowerRight}); }
+  SECTION("ALiBi and causal, lower right") {
+    everyKernel(mask::combine(mask::Causal{Align::LowerRight}, mask::Alibi::standard(H, Align::LowerRight)));
+  }
+}
+
 TEST_CASE("head layouts and batch layouts are validated with clear messages", "[multihead][errors]") {
   const Mat<float> q = Mat<float>::Ones(3, 12), k = Mat<float>::Ones(5, 6), v = Mat<float>::Ones(5, 4);
   CHECK_THROWS_WITH(sdpa::multiHeadAttention(q, k, v, sdpa::Heads{5}), Contains("do not split into 5 heads"));

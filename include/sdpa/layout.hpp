@@ -139,10 +139,13 @@ auto headBlock(X&& x, Index row, Index col, Index rows, Index cols) {
   return x.block(cols == 0 ? 0 : row, col, rows, cols);
 }
 
-/// The user's mask restricted to the valid rows and keys of a padded item.
+/// The user's mask restricted to the valid rows and keys of a padded item, its alignment
+/// following the valid lengths (mask::internal::AlignedToLengths).
 template <typename Mask>
 auto itemMask(const Mask& mask, const ItemHead& u) {
-  return mask::combine(mask, mask::QueryLength{u.queryLength}, mask::KeyLength{u.keyLength});
+  const Index shift = (u.keyLength - u.queryLength) - (u.nK - u.nQ);
+  return mask::combine(mask::internal::AlignedToLengths<Mask>{mask, shift}, mask::QueryLength{u.queryLength},
+                       mask::KeyLength{u.keyLength});
 }
 
 /// The layout of a plain multi-head call: one item spanning every row.

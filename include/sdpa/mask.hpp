@@ -512,6 +512,42 @@ Combined<std::decay_t<Masks>...> combine(Masks&&... masks) {
 }
 
 namespace internal {
+/**
+ * A mask as a padded batch item sees it: the alignment follows the item's valid lengths, so that
+ * the item computes what a call on its valid rows alone would. The positional masks (Causal,
+ * SlidingWindow, Alibi) place query i at key i + n_k - n_q under Align::LowerRight; they are
+ * handed n_k + shift, shift = (valid n_k - valid n_q) - (n_k - n_q), which puts the last valid
+ * query on the last valid key. Matrix masks (Keep, Bias) read n_q only, which is unchanged, and
+ * Align::UpperLeft ignores both.
+ */
+template <typename M>
+struct AlignedToLengths {
+  static constexpr bool IsMask = true;
+  static constexpr bool IsNone = M::IsNone;
+  static constexpr bool HasBias = M::HasBias;
+  static constexpr Stage MaskStage = M::MaskStage;
+
+  const M& mask;
+  Index shift;
+
+  void check(const char* where, Index nQ, Index nK, Index heads = 1) const { mask.check(where, nQ, nK, heads); }
+  bool visible(Index i, Index j, Index nQ, Index nK, Index head = 0) const {
+    return mask.visible(i, j, nQ, nK + shift, head);
+  }
+  Tile classify(Index row0, Index rows, Index col0, Index cols, Index nQ, Index nK, Index head = 0) const {
+    return mask.classify(row0, rows, col0, cols, nQ, nK + shift, head);
+  }
+  template <typename DerivedS>
+  void apply(const Eigen::MatrixBase<DerivedS>& tile, Index row0, Index col0, Index nQ, Index nK,
+             Index head = 0) const {
+    mask.apply(tile, row0, col0, nQ, nK + shift, head);
+  }
+};
+template <typename T>
+struct IsAlignedToLengths : std::false_type {};
+template <typename M>
+struct IsAlignedToLengths<AlignedToLengths<M>> : std::true_type {};
+
 template <typename T>
 struct IsBiasMatrix : std::false_type {};
 template <typename D>
@@ -527,6 +563,8 @@ template <typename M>
 std::pair<Index, Index> biasMatrixShape(const M& m) {
   if constexpr (IsBiasMatrix<M>::value) {
     return {m.matrix().rows(), m.matrix().cols()};
+  } else if constexpr (IsAlignedToLengths<M>::value) {
+    return biasMatrixShape(m.mask);
   } else if constexpr (IsCombined<M>::value) {
     std::pair<Index, Index> shape{-1, -1};
     std::apply([&](const auto&... part) { ((shape.first < 0 ? (void)(shape = biasMatrixShape(part)) : (void)0), ...); },
@@ -542,6 +580,8 @@ template <typename M>
 double softcapOf(const M& m) {
   if constexpr (std::is_same_v<M, Softcap>) {
     return m.cap;
+  } else if constexpr (IsAlignedToLengths<M>::value) {
+    return softcapOf(m.mask);
   } else if constexpr (IsCombined<M>::value) {
     double cap = 0;
     std::apply([&](const auto&... part) { ((cap == 0 ? (void)(cap = softcapOf(part)) : (void)0), ...); }, m.parts());

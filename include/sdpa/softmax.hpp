@@ -77,18 +77,6 @@ struct RowSoftmax {
   Scalar max, sum;
 };
 
-/// RowSoftmax of one row of logits (hidden entries -inf), as softmaxInPlace computes it.
-template <typename Derived>
-RowSoftmax<typename Derived::Scalar> rowMaxAndSum(const Eigen::ArrayBase<Derived>& l) {
-  using Scalar = typename Derived::Scalar;
-  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
-  if (l.size() == 0) return {-inf, Scalar(0)};
-  const Scalar m = l.template maxCoeff<Eigen::PropagateNaN>();
-  if (m == -inf) return {-inf, Scalar(0)};
-  if (!(m < inf)) return {std::numeric_limits<Scalar>::quiet_NaN(), Scalar(0)};
-  return {m, expHidingMinusInf(l - m).sum()};
-}
-
 /**
  * The weights P = exp(L - m) / l of one row from its RowSoftmax, written into p (may alias l):
  * hidden entries (-inf) and a row with nothing visible (m = -inf) give exactly 0; a row with a
@@ -103,8 +91,37 @@ void weightsFromRowSoftmax(const Eigen::ArrayBase<DL>& l, const Eigen::ArrayBase
     p.setZero();
   else if (std::isnan(row.max))
     for (Index j = 0; j < p.size(); ++j) p(j) = l(j) == -inf ? Scalar(0) : std::numeric_limits<Scalar>::quiet_NaN();
-  else
-    p = expHidingMinusInf(l - row.max) / row.sum;
+  else {
+    p = expHidingMinusInf(l - row.max);
+    p /= row.sum;
+  }
+}
+
+/**
+ * Replaces a row of logits L (hidden entries -inf) by its weights P = exp(L - m) / l, as the
+ * backward pass needs them (see RowSoftmax), and returns m, with the index of the maximum in
+ * *argmax when m is finite. A row with nothing visible gives 0 and m = -inf; a row with a NaN or
+ * +inf visible logit gives NaN at its visible entries only, 0 at hidden ones, and m = NaN.
+ */
+template <typename Derived>
+typename Derived::Scalar backwardSoftmaxInPlace(const Eigen::MatrixBase<Derived>& x_, Index* argmax) {
+  using Scalar = typename Derived::Scalar;
+  auto& x = const_cast<Eigen::MatrixBase<Derived>&>(x_);  // Eigen's idiom to write into blocks
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+  if (x.size() == 0) return -inf;
+  const Scalar m = x.template maxCoeff<Eigen::PropagateNaN>();
+  if (m == -inf) {
+    x.setZero();
+    return -inf;
+  }
+  if (!(m < inf)) {
+    for (Index j = 0; j < x.size(); ++j) x(j) = x(j) == -inf ? Scalar(0) : std::numeric_limits<Scalar>::quiet_NaN();
+    return std::numeric_limits<Scalar>::quiet_NaN();
+  }
+  x.maxCoeff(argmax);
+  x = expHidingMinusInf(x.array() - m).matrix();
+  x /= x.sum();
+  return m;
 }
 
 /**

@@ -57,14 +57,8 @@ struct backward_naive_impl {
     // masked row, never exp(-inf - -inf) = NaN. centre_i: dL/dtau's factor at the row's maximum.
     s.centre.setZero(nQ);
     for (Index i = 0; i < nQ; ++i) {
-      auto row = s.p.row(i).array();
-      const RowSoftmax<Scalar> st = rowMaxAndSum(row);
-      if (std::isfinite(st.max)) {
-        Index jc = 0;
-        row.maxCoeff(&jc);
-        s.centre(i) = dLdTau(i, jc);
-      }
-      weightsFromRowSoftmax(row, row, st);
+      Index jc = 0;
+      if (std::isfinite(backwardSoftmaxInPlace(s.p.row(i), &jc))) s.centre(i) = dLdTau(i, jc);
     }
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO

@@ -37,6 +37,8 @@ struct backward_tiled_impl {
 
   struct Scratch {
     Buffer<Scalar> x, y, t, p, pDropped, dp, g;
+    Buffer<Scalar> cacheX, cacheY, cacheDp;  // a query block's L, Y and dP against every key
+    Matrix<Scalar> dk, dv, dbias;            // this thread's share of the shared gradients
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -99,21 +101,32 @@ struct backward_tiled_impl {
     }
   }
 
+  /// Where a query block's tiles live between the two passes: in the cache when it holds the
+  /// block's row of tiles (tile j0 at offset bq j0), else in the scratch tiles, recomputed.
+  struct Tiles {
+    Scalar *x, *y, *dp;
+    bool cached;
+    Index bq;
+    Scalar* at(Scalar* cache, Buffer<Scalar>& scratch, Index j0, Index bk) const {
+      return cached ? cache + bq * j0 : scratch.get(bq * bk);
+    }
+  };
+
   /**
-   * The first pass, for query rows [i0, i0 + bq) over every key tile [j0, j0 + bk) of the head
-   * (the tiles of the second pass, with the same products): the running maximum and sum of each
-   * row, as OnlineSoftmax keeps them, the running sum_j exp(L_ij - m_i) dP_ij for D, and Y at the
-   * row's maximum. A NaN or +inf visible logit marks the row with a NaN maximum, as the forward
-   * does.
+   * The first pass, for query rows [i0, i0 + bq) over every key tile [j0, j0 + bk) of the head:
+   * L, Y and dP of each tile (kept in `tiles` when cached), and from them the running maximum and
+   * sum of each row, as OnlineSoftmax keeps them, the running sum_j exp(L_ij - m_i) dP_ij for D,
+   * and Y at the row's maximum. A NaN or +inf visible logit marks the row with a NaN maximum, as
+   * the forward does.
    *
    * D is the softmax's own sum_j P_ij dP_ij, not FlashAttention-2's shortcut dO_i . O_i: with the
    * forward's rounded O, dP_ij - D loses every digit in a row whose weight sits on one key (a
    * large logit), where a plain computation, summing the same dP it subtracts from, cancels
-   * exactly (NUMERICS.md). It costs the dP product a second time.
+   * exactly (NUMERICS.md).
    */
   template <typename Mask>
-  static void rowStatistics(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
-                            Scratch& sc) {
+  static void firstPass(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+                        const Tiles& tiles, Scratch& sc) {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     const Index nQ = h.q.rows(), nK = h.k.rows();
     auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
@@ -127,8 +140,8 @@ struct backward_tiled_impl {
       const Index bk = std::min(tileK, nK - j0);
       const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
       if (kind == mask::Tile::Hidden) continue;
-      TileMap x(sc.x.get(bq * bk), bq, bk), y(sc.y.get(keepY ? bq * bk : 0), keepY ? bq : 0, bk);
-      TileMap dp(sc.dp.get(bq * bk), bq, bk);
+      TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
+      TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
       logits(h, i0, bq, j0, bk, kind, x, y);
       valueGradient(h, dropout, i0, bq, j0, bk, dp);
       for (Index r = 0; r < bq; ++r) {
@@ -150,14 +163,14 @@ struct backward_tiled_impl {
           row.maxCoeff(&jc);
           yc(r) = keepY ? y(r, jc) : tileMax;
         }
-        const Scalar tileSum = expShiftedSum(x.row(r).data(), bk, mNew);  // x becomes exp(L - m)
+        const auto [tileSum, tileDot] = expShiftedSumDot(x.row(r).data(), dp.row(r).data(), bk, mNew);
         if (std::isnan(tileSum)) {
           m(r) = std::numeric_limits<Scalar>::quiet_NaN();
           continue;
         }
         const Scalar alpha = std::exp(m(r) - mNew);  // 0 at the first visible tile
         l(r) = alpha * l(r) + tileSum;
-        d(r) = alpha * d(r) + centredDotSkippingZeros(x.row(r).data(), dp.row(r).data(), bk, Scalar(0));
+        d(r) = alpha * d(r) + tileDot;
         m(r) = mNew;
       }
     }
@@ -178,25 +191,27 @@ struct backward_tiled_impl {
    */
   template <typename Mask, typename DQ, typename DK, typename DV>
   static double tile(const Head<Mask>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
-                     Index bk, mask::Tile kind, const Eigen::MatrixBase<DQ>& dq_, const Eigen::MatrixBase<DK>& dk,
-                     const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias, Scratch& sc) {
+                     Index bk, TileMap& x, TileMap& y, TileMap& dp, const Eigen::MatrixBase<DQ>& dq_,
+                     const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
+                     Scratch& sc) {
     auto& dq = const_cast<Eigen::MatrixBase<DQ>&>(dq_);
     const Index dK = h.q.cols();
     const auto qi = h.q.middleRows(i0, bq);
-    const auto qsi = h.qs.middleRows(i0, bq);
     const auto kj = h.k.middleRows(j0, bk);
     const auto dOi = h.dO.middleRows(i0, bq);
 
-    // forward: Y = tau q k^T;  L = mask(softcap(Y))
+    // forward: Y = tau q k^T;  L = mask(softcap(Y)), and dP: x, y and dp as the first pass left them
     const bool keepY = h.keepY();
-    TileMap x(sc.x.get(bq * bk), bq, bk), p(sc.p.get(bq * bk), bq, bk), dp(sc.dp.get(bq * bk), bq, bk);
-    TileMap y(sc.y.get(keepY ? bq * bk : 0), keepY ? bq : 0, bk);
-    logits(h, i0, bq, j0, bk, kind, x, y);
+    TileMap p(sc.p.get(bq * bk), bq, bk);
 
     // forward: P = softmax(L) = exp(L - m) / l; hidden entries and fully masked rows are exactly 0.
-    for (Index r = 0; r < bq; ++r)
-      weightsFromRowSoftmax(x.row(r).array(), p.row(r).array(),
-                            RowSoftmax<Scalar>{rows.max(i0 + r), rows.sum(i0 + r)});
+    for (Index r = 0; r < bq; ++r) {
+      const RowSoftmax<Scalar> row{rows.max(i0 + r), rows.sum(i0 + r)};
+      if (std::isfinite(row.max))
+        expDivided(x.row(r).data(), p.row(r).data(), bk, row.max, row.sum);
+      else
+        weightsFromRowSoftmax(x.row(r).array(), p.row(r).array(), row);
+    }
 
     // forward: Pd = P * M / (1 - p_drop);  O = Pd v   =>   dv += Pd^T dO
     if (dropout.enabled()) {
@@ -207,9 +222,6 @@ struct backward_tiled_impl {
     } else {
       addProduct(h.finite, p.transpose(), dOi, dv);
     }
-
-    // forward: O = Pd v   =>   dP, as the first pass computed it for D
-    valueGradient(h, dropout, i0, bq, j0, bk, dp);
 
     // forward: P = softmax(L)   =>   dL = P * (dP - D), D_i = sum_j P_ij dP_ij. Where P is 0 (hidden)
     // dL is 0 even if dP is NaN or inf there: from a non-finite input, or from finite ones whose
@@ -258,16 +270,17 @@ struct backward_tiled_impl {
         dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * t.array()).matrix();
     }
 
-    // forward: Y = tau X, X = q k^T   =>   dX = tau dY;  dq += dX k = tau (dY k);  dk += dX^T q = dY^T (tau q)
-    Eigen::Map<Matrix<Scalar>> g(sc.g.get(bq * dK), bq, dK);
-    g.setZero();
-    addProduct(finite, dp, kj, g);
-    dq += h.tau * g;
-    addProduct(finite, dp.transpose(), qsi, dk);
-    if (h.tau == Scalar(0)) {  // dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i
+    // forward: Y = tau X, X = q k^T   =>   dX = tau dY;  dq += dX k;  dk += dX^T q
+    if (h.tau == Scalar(0)) {  // dX = 0; dtau = sum_ij dY_ij X_ij = sum_i q_i . (dY k)_i
+      Eigen::Map<Matrix<Scalar>> g(sc.g.get(bq * dK), bq, dK);
+      g.setZero();
+      addProduct(finite, dp, kj, g);
       if (finite) return double((qi.array() * g.array()).sum());
       return double((g.array() == Scalar(0)).select(Scalar(0), qi.array() * g.array()).sum());
     }
+    if (h.tau != Scalar(1)) dp *= h.tau;  // 0 stays 0: a hidden entry stays skippable
+    addProduct(finite, dp, kj, dq);
+    addProduct(finite, dp.transpose(), qi, dk);
     return dtau;
   }
 };
@@ -276,6 +289,11 @@ struct backward_tiled_impl {
  * The tiled backward of a packed batch (the layout of multihead.hpp). Accumulates into dq, dk,
  * dv (zeroed by the caller, packed like q, k, v), dscale (H) and, if not null, dbias.
  */
+/// Per thread, the backward keeps a query block's logits and dP against every key (and Y under a
+/// softcap or an additive mask) while they fit in this many bytes (4 MiB for 128 float rows
+/// against 4096 keys); beyond it, the second pass recomputes them (two more products a tile).
+inline constexpr Index kBackwardCacheBytes = Index(64) << 20;
+
 template <typename Scalar, typename Scale, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
                    const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO,
@@ -310,8 +328,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     return;
   }
   const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
-  const Index H = heads.query, group = heads.groupSize();
-  std::vector<ItemHead> pairs;  // item-major: pairs[b * H + h]
+  const Index H = heads.query;
+  std::vector<ItemHead> pairs;
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
   // Once per call: qs = tau_h q (the scale folded into q, as in the forward); whether every
@@ -353,64 +371,72 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                                rowD.col(u.head).segment(u.q0, u.nQ), centre.col(u.head).segment(u.q0, u.nQ)};
   };
 
-  // First pass: work units (item, head, query block), in parallel.
-  struct RowUnit {
+  // Work units: (item, query head, query block), each owning its rows of dq. dk, dv and a
+  // shared bias gradient collect terms from every unit: each thread keeps its own (thread 0
+  // writes the caller's), summed after the loop.
+  struct Unit {
     Index pair, i0, rows;
   };
-  std::vector<RowUnit> rowUnits;
+  std::vector<Unit> units;
   for (Index p = 0; p < Index(pairs.size()); ++p)
     for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
-      rowUnits.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
-  parallelFor(Index(rowUnits.size()), int(std::min<Index>(maxThreads(), Index(rowUnits.size()))), [&](Index w) {
-    const RowUnit& ru = rowUnits[size_t(w)];
-    const ItemHead& u = pairs[size_t(ru.pair)];
-    withHead(u, [&](const auto& hd) {
-      Impl::rowStatistics(hd, dropout, ru.i0, ru.rows, tile.k, rowsOf(u), Impl::threadScratch());
-    });
-  });
-
-  // Second pass: work units (item, kv head, key block).
-  struct Unit {
-    Index item, kvHead, j0, cols;
-  };
-  std::vector<Unit> units;
-  for (Index b = 0; b < layout.size(); ++b) {
-    const Index nK = layout.kOffsets[size_t(b) + 1] - layout.kOffsets[size_t(b)];
-    for (Index g = 0; g < heads.keyValue; ++g)
-      for (Index j0 = 0; j0 < nK; j0 += tile.k) units.push_back({b, g, j0, std::min(tile.k, nK - j0)});
-  }
+      units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
   const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
-  // Per-thread dq, dscale and bias gradient when threaded; thread 0 writes the caller's.
-  std::vector<Matrix<Scalar>> dqT(size_t(std::max(0, threads - 1)), Matrix<Scalar>::Zero(dq.rows(), dq.cols()));
-  std::vector<Matrix<Scalar>> dbiasT(dbias ? size_t(std::max(0, threads - 1)) : 0);
-  for (auto& m : dbiasT) m.setZero(dbias->rows(), dbias->cols());
+  std::vector<typename Impl::Scratch*> scratchOf(size_t(std::max(1, threads)), nullptr);
   std::vector<Vector<double>> dscaleT(size_t(std::max(1, threads)), Vector<double>::Zero(H));
 
   parallelFor(Index(units.size()), threads, [&](Index w) {
     const Unit& un = units[size_t(w)];
+    const ItemHead& u = pairs[size_t(un.pair)];
     const int t = threadIndex();
-    Matrix<Scalar>& dqDst = t == 0 ? dq : dqT[size_t(t - 1)];
-    Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &dbiasT[size_t(t - 1)]) : nullptr;
     auto& sc = Impl::threadScratch();
-    for (Index h = un.kvHead * group; h < (un.kvHead + 1) * group; ++h) {
-      const ItemHead& u = pairs[size_t(un.item * H + h)];
-      withHead(u, [&](const auto& hd) {
-        const auto rows = rowsOf(u);
-        auto dqHead = dqDst.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
-        auto dkBlock = dk.block(u.k0 + un.j0, u.kvHead * dims.dK, un.cols, dims.dK);
-        auto dvBlock = dv.block(u.k0 + un.j0, u.kvHead * dims.dV, un.cols, dims.dV);
-        for (Index i0 = 0; i0 < u.nQ; i0 += tile.q) {
-          const Index bq = std::min(tile.q, u.nQ - i0);
-          const mask::Tile kind = hd.mask.classify(i0, bq, un.j0, un.cols, u.nQ, u.nK, u.head);
-          if (kind == mask::Tile::Hidden) continue;
-          dscaleT[size_t(t)](u.head) += Impl::tile(hd, rows, dropout, i0, bq, un.j0, un.cols, kind,
-                                                   dqHead.middleRows(i0, bq), dkBlock, dvBlock, dbDst, sc);
-        }
-      });
+    if (!scratchOf[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
+      scratchOf[size_t(t)] = &sc;
+      if (t > 0) {
+        sc.dk.setZero(dk.rows(), dk.cols());
+        sc.dv.setZero(dv.rows(), dv.cols());
+        if (dbias) sc.dbias.setZero(dbias->rows(), dbias->cols());
+      }
     }
+    Matrix<Scalar>& dkDst = t == 0 ? dk : sc.dk;
+    Matrix<Scalar>& dvDst = t == 0 ? dv : sc.dv;
+    Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &sc.dbias) : nullptr;
+    withHead(u, [&](const auto& hd) {
+      const auto rows = rowsOf(u);
+      const Index bq = un.rows, nK = u.nK;
+      const bool keepY = hd.keepY();
+      // The block's L, Y and dP against every key are kept for the second pass when they fit
+      // kBackwardCacheBytes: five products a tile instead of seven.
+      const Index perTile = keepY ? 3 : 2;
+      const bool cached = Index(sizeof(Scalar)) * perTile * bq * nK <= kBackwardCacheBytes;
+      const typename Impl::Tiles tiles{cached ? sc.cacheX.get(bq * nK) : nullptr,
+                                       cached && keepY ? sc.cacheY.get(bq * nK) : nullptr,
+                                       cached ? sc.cacheDp.get(bq * nK) : nullptr, cached, bq};
+      Impl::firstPass(hd, dropout, un.i0, bq, tile.k, rows, tiles, sc);
+      auto dqRows = dq.block(u.q0 + un.i0, u.head * dims.dK, bq, dims.dK);
+      for (Index j0 = 0; j0 < nK; j0 += tile.k) {
+        const Index bk = std::min(tile.k, nK - j0);
+        const mask::Tile kind = hd.mask.classify(un.i0, bq, j0, bk, u.nQ, nK, u.head);
+        if (kind == mask::Tile::Hidden) continue;
+        typename Impl::TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
+        typename Impl::TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
+        if (!cached) {
+          Impl::logits(hd, un.i0, bq, j0, bk, kind, x, y);
+          Impl::valueGradient(hd, dropout, un.i0, bq, j0, bk, dp);
+        }
+        dscaleT[size_t(t)](u.head) +=
+            Impl::tile(hd, rows, dropout, un.i0, bq, j0, bk, x, y, dp, dqRows,
+                       dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
+                       dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
+      }
+    });
   });
-  for (const auto& m : dqT) dq += m;
-  for (const auto& m : dbiasT) *dbias += m;
+  for (size_t t = 1; t < scratchOf.size(); ++t) {
+    if (!scratchOf[t]) continue;
+    dk += scratchOf[t]->dk;
+    dv += scratchOf[t]->dv;
+    if (dbias) *dbias += scratchOf[t]->dbias;
+  }
   Vector<double> total = Vector<double>::Zero(H);
   for (const auto& s : dscaleT) total += s;
   dscale += total.template cast<Scalar>();

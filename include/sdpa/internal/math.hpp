@@ -19,6 +19,12 @@ namespace sdpa::internal {
  *   interval, below float's 6e-8).
  * NaN stays NaN, +-inf gives +-1.
  */
+// GCC 12 reports -Wuninitialized inside its own AVX-512 intrinsics (_mm512_undefined_ps) once
+// Eigen's pexp is inlined here: a false positive of the header, not of this code.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 template <typename Packet>
 Packet ptanhAccurate(const Packet& x) {
   namespace ei = Eigen::internal;
@@ -40,6 +46,9 @@ Packet ptanhAccurate(const Packet& x) {
   // The sign of x back on: tanh is odd. (A NaN compares false and keeps r = NaN.)
   return ei::pselect(ei::pcmp_lt(x, ei::pset1<Packet>(S(0))), ei::pnegate(r), r);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /**
  * x[i] = out tanh(x[i] / c) for n contiguous values (a softcap is out = c): float by

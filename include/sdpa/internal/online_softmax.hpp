@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "../softmax.hpp"
@@ -43,6 +44,59 @@ Acc expShiftedSum(Acc* x, Index n, Acc m) {
     argSum += z;
   }
   return std::isnan(argSum) ? argSum : sum;
+}
+
+/**
+ * The weights of one row in one pass: p[j] = exp(x[j] - m) / l, exactly 0 where x[j] - m is at or
+ * below the cut (hidden keys), for a row whose maximum m is finite (expShiftedSum's exp).
+ */
+template <typename Acc>
+void expDivided(const Acc* x, Acc* p, Index n, Acc m, Acc l) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Acc>::type;
+  constexpr Index W = ei::packet_traits<Acc>::size;
+  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>), pl = ei::pset1<Packet>(l);
+  Index j = 0;
+  for (; j + W <= n; j += W) {
+    const Packet z = ei::psub(ei::ploadu<Packet>(x + j), pm);
+    ei::pstoreu(p + j, ei::pdiv(ei::pand(ei::pexp(z), ei::pcmp_lt(pcut, z)), pl));
+  }
+  for (; j < n; ++j) {
+    const Acc z = x[j] - m;
+    p[j] = z > kExpCut<Acc> ? std::exp(z) / l : Acc(0);
+  }
+}
+
+/**
+ * expShiftedSum without storing the weights, also returning dot = sum_j e_j w[j], e_j =
+ * exp(x[j] - m), over the j whose weight is not 0 (w may be inf or NaN elsewhere). sum is NaN if
+ * some x[j] is NaN.
+ */
+template <typename Acc>
+std::pair<Acc, Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Acc>::type;
+  constexpr Index W = ei::packet_traits<Acc>::size;
+  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>);
+  Packet total = ei::pset1<Packet>(Acc(0)), args = total, dot = total;
+  Index j = 0;
+  for (; j + W <= n; j += W) {
+    const Packet z = ei::psub(ei::ploadu<Packet>(x + j), pm);
+    const Packet e = ei::pand(ei::pexp(z), ei::pcmp_lt(pcut, z));
+    total = ei::padd(total, e);
+    args = ei::padd(args, z);
+    // A weight that is 0 (hidden, or exp underflowed) adds nothing, not 0 * w.
+    dot = ei::padd(dot, ei::pandnot(ei::pmul(e, ei::ploadu<Packet>(w + j)), ei::pcmp_eq(e, ei::pzero(e))));
+  }
+  Acc sum = ei::predux(total), argSum = ei::predux(args), d = ei::predux(dot);
+  for (; j < n; ++j) {
+    const Acc z = x[j] - m;
+    const Acc e = z > kExpCut<Acc> ? std::exp(z) : Acc(0);
+    sum += e;
+    if (e != Acc(0)) d += e * w[j];
+    argSum += z;
+  }
+  return {std::isnan(argSum) ? argSum : sum, d};
 }
 
 /**
