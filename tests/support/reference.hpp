@@ -82,6 +82,71 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
   return r;
 }
 
+template <typename T>
+struct RefGradients {
+  Mat<T> dq, dk, dv;
+  T dscale = 0;
+  Mat<T> dbias;  ///< n_q x n_k: dL/dS, the gradient of an additive bias
+};
+
+/**
+ * The plain backward pass in T, with P materialised and no shortcut: S = cap(tau q k^T) + b,
+ * P = softmax(S) over the visible keys, dP = dO v^T, dS = P (dP - sum_j P dP), dY = dS cap',
+ * dq = tau dY k, dk = tau dY^T q, dv = P^T dO, dtau = sum dY q.k. With long double it is the
+ * golden result; with float it is "the plain computation in the same precision" of the
+ * FlashAttention rule. Rows with no visible key contribute nothing.
+ */
+template <typename T, typename In>
+RefGradients<T> referenceBackward(const Mat<In>& q, const Mat<In>& k, const Mat<In>& v, const Mat<In>& dO,
+                                  long double tau, const VisibleFn& visible = allVisible(),
+                                  const BiasFn& bias = noBias(), long double softcap = 0) {
+  const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
+  RefGradients<T> g{Mat<T>::Zero(nQ, dK), Mat<T>::Zero(nK, dK), Mat<T>::Zero(nK, dV), T(0), Mat<T>::Zero(nQ, nK)};
+  std::vector<T> x(static_cast<size_t>(nK)), p(static_cast<size_t>(nK)), dp(static_cast<size_t>(nK));
+  for (Index i = 0; i < nQ; ++i) {
+    T m = -std::numeric_limits<T>::infinity();
+    for (Index j = 0; j < nK; ++j) {
+      if (!visible(i, j)) continue;
+      T dot = 0;
+      for (Index c = 0; c < dK; ++c) dot += T(q(i, c)) * T(k(j, c));
+      x[size_t(j)] = dot;
+      T s = T(tau) * dot;
+      if (softcap > 0) s = T(softcap) * std::tanh(s / T(softcap));
+      p[size_t(j)] = s + T(bias(i, j));
+      m = std::max(m, p[size_t(j)]);
+    }
+    if (m == -std::numeric_limits<T>::infinity()) continue;
+    T sum = 0;
+    for (Index j = 0; j < nK; ++j)
+      if (visible(i, j)) sum += std::exp(p[size_t(j)] - m);
+    T d = 0;
+    for (Index j = 0; j < nK; ++j) {
+      if (!visible(i, j)) continue;
+      p[size_t(j)] = std::exp(p[size_t(j)] - m) / sum;
+      T dpj = 0;
+      for (Index c = 0; c < dV; ++c) dpj += T(dO(i, c)) * T(v(j, c));
+      dp[size_t(j)] = dpj;
+      d += p[size_t(j)] * dpj;
+    }
+    for (Index j = 0; j < nK; ++j) {
+      if (!visible(i, j)) continue;
+      for (Index c = 0; c < dV; ++c) g.dv(j, c) += p[size_t(j)] * T(dO(i, c));
+      T dy = p[size_t(j)] * (dp[size_t(j)] - d);
+      g.dbias(i, j) = dy;
+      if (softcap > 0) {
+        const T t = std::tanh(T(tau) * x[size_t(j)] / T(softcap));
+        dy *= T(1) - t * t;
+      }
+      g.dscale += dy * x[size_t(j)];
+      for (Index c = 0; c < dK; ++c) {
+        g.dq(i, c) += T(tau) * dy * T(k(j, c));
+        g.dk(j, c) += T(tau) * dy * T(q(i, c));
+      }
+    }
+  }
+  return g;
+}
+
 /// Seeded N(0, sd^2) matrix; the same seed gives the same matrix on every run.
 template <typename T>
 Mat<T> randn(Index rows, Index cols, std::uint64_t seed, double sd = 1.0) {
