@@ -168,9 +168,12 @@ struct backward_tiled_impl {
           m(r) = std::numeric_limits<Scalar>::quiet_NaN();
           continue;
         }
-        const Scalar alpha = std::exp(m(r) - mNew);  // 0 at the first visible tile
-        l(r) = alpha * l(r) + tileSum;
-        d(r) = alpha * d(r) + tileDot;
+        // alpha = 0 (the first visible tile, or a new maximum so far above that the earlier
+        // weights are exactly 0): the earlier sums are dropped, not multiplied by 0 (a dP of inf
+        // at a key of weight 0 now would turn into NaN), as OnlineSoftmax::absorb does.
+        const Scalar alpha = std::exp(m(r) - mNew);
+        l(r) = alpha == Scalar(0) ? tileSum : alpha * l(r) + tileSum;
+        d(r) = alpha == Scalar(0) ? tileDot : alpha * d(r) + tileDot;
         m(r) = mNew;
       }
     }
@@ -181,6 +184,33 @@ struct backward_tiled_impl {
         const Scalar t = tanhAccurate(yc(r) / h.cap);
         yc(r) *= Scalar(1) - t * t;
       }
+    }
+    // A dP of inf at a key whose weight was nonzero in its tile but rounds to 0 in the final
+    // softmax has no effect on D, but made this running sum inf (or NaN): such rows are summed
+    // again from the final weights, as the second pass computes them (rare: non-finite values only).
+    bool again = false;
+    for (Index r = 0; r < bq; ++r) again = again || (std::isfinite(m(r)) && !std::isfinite(d(r)));
+    if (again) {
+      Vector<Scalar> dNew = Vector<Scalar>::Zero(bq);
+      for (Index j0 = 0; j0 < nK; j0 += tileK) {
+        const Index bk = std::min(tileK, nK - j0);
+        const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
+        if (kind == mask::Tile::Hidden) continue;
+        TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
+        TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
+        if (!tiles.cached) {
+          logits(h, i0, bq, j0, bk, kind, x, y);
+          valueGradient(h, dropout, i0, bq, j0, bk, dp);
+        }
+        TileMap p(sc.p.get(bq * bk), bq, bk);
+        for (Index r = 0; r < bq; ++r) {
+          if (!(std::isfinite(m(r)) && !std::isfinite(d(r)))) continue;
+          expDivided(x.row(r).data(), p.row(r).data(), bk, m(r), l(r));  // as the second pass
+          dNew(r) += centredDotSkippingZeros(p.row(r).data(), dp.row(r).data(), bk, Scalar(0));
+        }
+      }
+      for (Index r = 0; r < bq; ++r)
+        if (std::isfinite(m(r)) && !std::isfinite(d(r))) d(r) = dNew(r);
     }
   }
 
