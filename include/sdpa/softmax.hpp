@@ -28,23 +28,27 @@ void assertFloatingVector() {
                      THIS_FUNCTION_TAKES_A_VECTOR__USE_rowSoftmax_OR_rowLogSumExp_FOR_A_MATRIX);
 }
 
-/// Arguments at or below this give weight exactly 0 (exp(kExpCut) rounds to 0 in S): the
-/// cut-off of expHidingMinusInf and of the online softmax's exp pass.
+/// Arguments at or below this give weight exactly 0: the logarithm of the smallest normal
+/// number (exp(kExpCut) is just above it). Below it Eigen's vectorised exp does not round to the
+/// subnormal it should but clamps (exp(-106.9f) comes out as 2.9e-39, 10^8 times too large, and
+/// exp(-inf) as 1e-39), and such a weight times a dP of inf made a gradient NaN that a plain
+/// computation gives finite (found by the fuzzer). The cut-off of expHidingMinusInf, of the
+/// online softmax's exp pass and of the backward's weights: an absolute error of at most the
+/// smallest normal number per weight, as before, but now exactly 0.
 template <typename S>
-inline constexpr S kExpCut = std::is_same_v<S, float> ? S(-110) : S(-800);
+inline constexpr S kExpCut = std::is_same_v<S, float> ? S(-87.33) : S(-708.39);
 
 /**
- * exp(z) elementwise with exp(-inf) = 0 exactly, vectorised. Eigen's vectorised exp clamps its
- * argument (exp(-inf) comes out as 1e-39 in SSE float, 5e-309 in double), and Eigen 3.4's
- * select() is not vectorised (20x slower than exp), so hidden entries are zeroed arithmetically:
- * the ramp clamp(z - cut, 0, 1) is 0 at -inf and 1 wherever exp(z) is representable (exp(cut)
- * rounds to 0 in the scalar type).
+ * exp(z) elementwise, exactly 0 at or below kExpCut (so at -inf), vectorised. Eigen 3.4's
+ * select() is not vectorised (20x slower than exp), so those entries are zeroed arithmetically:
+ * the ramp clamp(2^20 (z - cut), 0, 1) is 0 up to the cut and 1 from a millionth above it (a
+ * weight near the smallest normal number in between).
  */
 template <typename Derived>
 auto expHidingMinusInf(const Eigen::ArrayBase<Derived>& z) {
   using S = typename Derived::Scalar;
   constexpr S cut = kExpCut<S>;
-  return z.max(cut).exp() * (z - cut).max(S(0)).min(S(1));
+  return z.max(cut).exp() * ((z - cut) * S(1 << 20)).max(S(0)).min(S(1));
 }
 
 /**

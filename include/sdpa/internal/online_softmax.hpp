@@ -17,8 +17,8 @@ namespace sdpa::internal {
  * have been skipped), in one pass with Eigen's packet primitives (as Eigen expressions: exp, a
  * -inf ramp and a sum, three passes). Returns the sum of the weights, or NaN if some x[j] is NaN:
  * the sum of the arguments, all <= 0 otherwise, is NaN exactly then. An argument at or below
- * `cut` gives exactly 0: -inf (a hidden key) and anything whose exp rounds to 0 anyway, as in
- * expHidingMinusInf; the vectorised exp does not promise exp(-inf) = 0.
+ * `cut` gives exactly 0: -inf (a hidden key) and anything whose weight is below the smallest
+ * normal number, as in expHidingMinusInf (kExpCut: the vectorised exp clamps there).
  */
 template <typename Acc>
 Acc expShiftedSum(Acc* x, Index n, Acc m) {
