@@ -74,6 +74,22 @@ void BM_Forward(benchmark::State& state) {
   forward<K, P>(state, K{});
 }
 
+/// The softcap's cost: the tiled forward under Softcap{30} (its float tanh accurate to 1.4 ulp,
+/// NUMERICS.md), beside BM_ForwardTargets<Tiled> of the same shape. args: n, d, threads
+void BM_ForwardSoftcap(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  const sdpa::mask::Softcap cap{30.0};
+  benchmark::DoNotOptimize(sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, cap).output.data());
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, cap);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
+}
+
 /// The tiled kernel with explicit block sizes. args: n, d, threads, blockQ, blockK
 void BM_ForwardBlocks(benchmark::State& state) { forward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)}); }
 
@@ -123,6 +139,11 @@ BENCHMARK(BM_Forward<sdpa::kernel::Tiled, sdpa::scale::None>)
 BENCHMARK(BM_Forward<sdpa::kernel::Tiled, sdpa::scale::Learnable<float>>)
     ->ArgNames({"n", "d", "threads"})
     ->Args({4096, 64, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardSoftcap)
+    ->ArgNames({"n", "d", "threads"})
+    ->ArgsProduct({{4096}, {16, 64, 128}, {1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.
