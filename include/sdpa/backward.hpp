@@ -136,7 +136,9 @@ void assertBackwardTypes() {
  * \brief Backward pass of one head.
  *
  * \param kernel optional first argument: `kernel::Tiled{}` (the default) or `kernel::Naive{}`
- * \param fwd   the ForwardResult of attentionForward(q, k, v, scale, mask, dropout)
+ * \param fwd   the ForwardResult of attentionForward(q, k, v, scale, mask, dropout); its shapes are
+ *              checked, but the softmax is recomputed from q and k (NUMERICS.md: a logSumExp
+ *              rounded to float would cost float gradients their accuracy at large logits)
  * \param dOut  dL/dO, n_q x d_v
  * \param scale the same policy as the forward pass; a non-const Learnable accumulates dL/dtau
  * \param mask, dropout the same as the forward pass
