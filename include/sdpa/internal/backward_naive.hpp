@@ -47,10 +47,11 @@ struct backward_naive_impl {
     if constexpr (!Mask::IsNone) mask.apply(s.p, 0, 0, nQ, nK, head);
 
     // dL_ij/dtau = X_ij softcap'(Y_ij), the factor dL/dtau sums against dL (below).
+    // A saturated softcap (slope 0, also at X = +-inf) has factor 0, the limit, not inf * 0.
     const auto dLdTau = [&](Index i, Index j) {
       if (cap == 0) return s.x(i, j);
-      const Scalar t = tanhAccurate(tau * s.x(i, j) / cap);
-      return s.x(i, j) * (Scalar(1) - t * t);
+      const Scalar t = tanhAccurate(tau * s.x(i, j) / cap), slope = Scalar(1) - t * t;
+      return slope == Scalar(0) ? Scalar(0) : s.x(i, j) * slope;
     };
 
     // forward: P = softmax(L) = exp(L - m) / l; hidden entries are exactly 0, and so is a fully

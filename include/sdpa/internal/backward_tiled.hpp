@@ -180,9 +180,11 @@ struct backward_tiled_impl {
     for (Index r = 0; r < bq; ++r) {
       if (l(r) > Scalar(0)) d(r) /= l(r);
       // The centre as dL/dtau's factor (in units of tau): Y softcap'(Y) at the maximum.
+      // A softcap saturated to 1 - tanh^2 = 0 has factor 0, also at Y = +-inf (the limit of
+      // Y sech^2(Y / c)), not inf * 0.
       if (h.cap > 0) {
-        const Scalar t = tanhAccurate(yc(r) / h.cap);
-        yc(r) *= Scalar(1) - t * t;
+        const Scalar t = tanhAccurate(yc(r) / h.cap), slope = Scalar(1) - t * t;
+        yc(r) = slope == Scalar(0) ? Scalar(0) : yc(r) * slope;
       }
     }
     // A dP of inf at a key whose weight was nonzero in its tile but rounds to 0 in the final
@@ -276,7 +278,10 @@ struct backward_tiled_impl {
       t = y;
       for (Index r = 0; r < bq; ++r) tanhInPlace(t.row(r).data(), bk, h.cap, Scalar(1));
       t.array() = Scalar(1) - t.array() * t.array();
-      y.array() *= t.array();
+      // Y = +-inf (an infinite q or k, which the softcap makes a finite logit) with slope 0:
+      // the factor is 0, the limit of Y sech^2(Y / c), not inf * 0 (clamped to the finite range).
+      constexpr Scalar big = std::numeric_limits<Scalar>::max();
+      y.array() = y.array().max(-big).min(big) * t.array();
     }
     // forward: L = softcap(tau X) + bias   =>   dtau = sum_ij dL_ij X_ij softcap'(Y_ij). Each row of
     // dL sums to 0, so the row's centre (that factor at its maximum) may be taken off every term:
