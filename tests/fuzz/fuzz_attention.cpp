@@ -491,13 +491,16 @@ struct GradientBounds {
         const double dL = r.p(i, j) * (dP - dI);
         const double ddL = dp(i, j) * std::abs(dP - dI) + r.p(i, j) * (dPError + dError) + 2 * eps * std::abs(dL);
         ddS(i, j) = g * ddL + dg * std::abs(dL) + 2 * eps * std::abs(dS(i, j));
-        gRow[size_t(j)] = x * g;
-        dgRow[size_t(j)] = (double(c.dK + 4) * eps * rowAbsDot(c.q, i, c.k, j)) * g + std::abs(x) * dg;
+        // A softcap saturated to slope 0 (x = +-inf: an infinite q or k) has factor exactly 0 in
+        // every kernel, the limit of x sech^2, not inf * 0.
+        const bool flat = cap > 0 && g == 0;
+        gRow[size_t(j)] = flat ? 0.0 : x * g;
+        dgRow[size_t(j)] = flat ? 0.0 : (double(c.dK + 4) * eps * rowAbsDot(c.q, i, c.k, j)) * g + std::abs(x) * dg;
         dLRow[size_t(j)] = dL;
         ddLRow[size_t(j)] = ddL;
         if (r.p(i, j) > 0 && std::log(r.p(i, j)) >= top - 2 * r.dsMax(i) - 4 * eps) {
-          centreLo = std::min(centreLo, x * g);
-          centreHi = std::max(centreHi, x * g);
+          centreLo = std::min(centreLo, gRow[size_t(j)]);
+          centreHi = std::max(centreHi, gRow[size_t(j)]);
         }
       }
       if (!(centreLo <= centreHi)) continue;  // nothing visible
