@@ -30,7 +30,9 @@ struct Heads {
  * \brief Sequences of different lengths in one packed matrix, FlashAttention's varlen layout:
  * item b owns query rows [qOffsets[b], qOffsets[b+1]) and key/value rows [kOffsets[b],
  * kOffsets[b+1]). Optional valid lengths mark padding inside an item: keys at or beyond
- * keyLengths[b] are hidden, query rows at or beyond queryLengths[b] give output 0.
+ * keyLengths[b] are hidden, query rows at or beyond queryLengths[b] give output 0. An item
+ * computes what a call on its valid rows alone computes: `mask::Align::LowerRight` aligns the
+ * last valid query with the last valid key (not the last padded ones).
  */
 struct BatchLayout {
   std::vector<Index> qOffsets;      ///< B + 1 cumulative query row offsets, from 0

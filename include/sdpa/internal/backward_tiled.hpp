@@ -113,6 +113,30 @@ struct backward_tiled_impl {
   };
 
   /**
+   * Calls f(j0, bk, x, y, dp) for every key tile [j0, j0 + bk) of query rows [i0, i0 + bq) that
+   * the mask does not hide, with L, Y and dP of the tile: computed here when `compute` or when
+   * the tiles are not cached, else as the cache holds them.
+   */
+  template <typename Mask, typename F>
+  static void forEachTile(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
+                          const Tiles& tiles, bool compute, Scratch& sc, F&& f) {
+    const Index nQ = h.q.rows(), nK = h.k.rows();
+    const bool keepY = h.keepY();
+    for (Index j0 = 0; j0 < nK; j0 += tileK) {
+      const Index bk = std::min(tileK, nK - j0);
+      const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
+      if (kind == mask::Tile::Hidden) continue;
+      TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
+      TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
+      if (compute || !tiles.cached) {
+        logits(h, i0, bq, j0, bk, kind, x, y);
+        valueGradient(h, dropout, i0, bq, j0, bk, dp);
+      }
+      f(j0, bk, x, y, dp);
+    }
+  }
+
+  /**
    * The first pass, for query rows [i0, i0 + bq) over every key tile [j0, j0 + bk) of the head:
    * L, Y and dP of each tile (kept in `tiles` when cached), and from them the running maximum and
    * sum of each row, as OnlineSoftmax keeps them, the running sum_j exp(L_ij - m_i) dP_ij for D,
@@ -128,7 +152,6 @@ struct backward_tiled_impl {
   static void firstPass(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
                         const Tiles& tiles, Scratch& sc) {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
-    const Index nQ = h.q.rows(), nK = h.k.rows();
     auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
     auto yc = rows.centre.segment(i0, bq);
     m.setConstant(-inf);
@@ -136,14 +159,7 @@ struct backward_tiled_impl {
     d.setZero();
     yc.setZero();
     const bool keepY = h.keepY();
-    for (Index j0 = 0; j0 < nK; j0 += tileK) {
-      const Index bk = std::min(tileK, nK - j0);
-      const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
-      if (kind == mask::Tile::Hidden) continue;
-      TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
-      TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
-      logits(h, i0, bq, j0, bk, kind, x, y);
-      valueGradient(h, dropout, i0, bq, j0, bk, dp);
+    forEachTile(h, dropout, i0, bq, tileK, tiles, true, sc, [&](Index, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
       for (Index r = 0; r < bq; ++r) {
         if (std::isnan(m(r))) continue;
         auto row = x.row(r).array();
@@ -176,7 +192,7 @@ struct backward_tiled_impl {
         d(r) = alpha == Scalar(0) ? tileDot : alpha * d(r) + tileDot;
         m(r) = mNew;
       }
-    }
+    });
     for (Index r = 0; r < bq; ++r) {
       if (l(r) > Scalar(0)) d(r) /= l(r);
       // The centre as dL/dtau's factor (in units of tau): Y softcap'(Y) at the maximum.
@@ -194,23 +210,14 @@ struct backward_tiled_impl {
     for (Index r = 0; r < bq; ++r) again = again || (std::isfinite(m(r)) && !std::isfinite(d(r)));
     if (again) {
       Vector<Scalar> dNew = Vector<Scalar>::Zero(bq);
-      for (Index j0 = 0; j0 < nK; j0 += tileK) {
-        const Index bk = std::min(tileK, nK - j0);
-        const mask::Tile kind = h.mask.classify(i0, bq, j0, bk, nQ, nK, h.head);
-        if (kind == mask::Tile::Hidden) continue;
-        TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
-        TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
-        if (!tiles.cached) {
-          logits(h, i0, bq, j0, bk, kind, x, y);
-          valueGradient(h, dropout, i0, bq, j0, bk, dp);
-        }
+      forEachTile(h, dropout, i0, bq, tileK, tiles, false, sc, [&](Index, Index bk, TileMap& x, TileMap&, TileMap& dp) {
         TileMap p(sc.p.get(bq * bk), bq, bk);
         for (Index r = 0; r < bq; ++r) {
           if (!(std::isfinite(m(r)) && !std::isfinite(d(r)))) continue;
           expDivided(x.row(r).data(), p.row(r).data(), bk, m(r), l(r));  // as the second pass
           dNew(r) += centredDotSkippingZeros(p.row(r).data(), dp.row(r).data(), bk, Scalar(0));
         }
-      }
+      });
       for (Index r = 0; r < bq; ++r)
         if (std::isfinite(m(r)) && !std::isfinite(d(r))) d(r) = dNew(r);
     }
@@ -449,21 +456,14 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                                        cached ? sc.cacheDp.get(bq * nK) : nullptr, cached, bq};
       Impl::firstPass(hd, dropout, un.i0, bq, tile.k, rows, tiles, sc);
       auto dqRows = dq.block(u.q0 + un.i0, u.head * dims.dK, bq, dims.dK);
-      for (Index j0 = 0; j0 < nK; j0 += tile.k) {
-        const Index bk = std::min(tile.k, nK - j0);
-        const mask::Tile kind = hd.mask.classify(un.i0, bq, j0, bk, u.nQ, nK, u.head);
-        if (kind == mask::Tile::Hidden) continue;
-        typename Impl::TileMap x(tiles.at(tiles.x, sc.x, j0, bk), bq, bk), dp(tiles.at(tiles.dp, sc.dp, j0, bk), bq, bk);
-        typename Impl::TileMap y(keepY ? tiles.at(tiles.y, sc.y, j0, bk) : sc.y.get(0), keepY ? bq : 0, bk);
-        if (!cached) {
-          Impl::logits(hd, un.i0, bq, j0, bk, kind, x, y);
-          Impl::valueGradient(hd, dropout, un.i0, bq, j0, bk, dp);
-        }
-        dscaleT[size_t(t)](u.head) +=
-            Impl::tile(hd, rows, dropout, un.i0, bq, j0, bk, x, y, dp, dqRows,
-                       dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
-                       dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
-      }
+      using TileMap = typename Impl::TileMap;
+      Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, false, sc,
+                        [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
+                          dscaleT[size_t(t)](u.head) +=
+                              Impl::tile(hd, rows, dropout, un.i0, bq, j0, bk, x, y, dp, dqRows,
+                                         dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
+                                         dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
+                        });
     });
   });
   for (size_t t = 1; t < scratchOf.size(); ++t) {
