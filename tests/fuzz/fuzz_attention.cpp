@@ -348,7 +348,9 @@ void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::
     const double gl = double(gold.logSumExp(i)), nl = double(naive.logSumExp(i));
     // Fully masked: every visible logit is -inf in the oracle and in the plain loop in T (a logit
     // that overflows only in T, as inf - inf = NaN, is a row the plain loop cannot compute).
-    if (std::isinf(gl) && gl < 0 && std::isinf(nl) && nl < 0) {
+    // (The tiled kernel's folded tau may overflow a product to NaN there too: see below.)
+    if (std::isinf(gl) && gl < 0 && std::isinf(nl) && nl < 0 &&
+        !(tiled && rounding.largestTerm(i) > 0.5 * double(std::numeric_limits<T>::max()))) {
       if (!(lse(i) == -std::numeric_limits<T>::infinity() && (rowOf(out).array() == 0.0).all()))
         fail(what, "a fully masked row is not 0 / -inf (row " + std::to_string(i) + "); " + c.describe() +
                        dump(c, i, out, lse, gold));
