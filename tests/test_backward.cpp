@@ -449,9 +449,9 @@ namespace {
 struct LargeLogitCase {
   const char* name;
   Index nQ, nK, dK;
-  double tau;       // 1 = unscaled
-  double biasSd;    // 0: no bias
-  double softcap;   // 0: none
+  double tau;      // 1 = unscaled
+  double biasSd;   // 0: no bias
+  double softcap;  // 0: none
   bool causal;
 };
 
@@ -522,7 +522,8 @@ void checkLargeLogits(const LargeLogitCase& c) {
 
 }  // namespace
 
-TEST_CASE("float gradients where logits are large: every gradient within the FlashAttention rule", "[backward][accuracy]") {
+TEST_CASE("float gradients where logits are large: every gradient within the FlashAttention rule",
+          "[backward][accuracy]") {
   // The shapes where the float backward once lost digits: unscaled d_k = 256 (logits ~ +-50),
   // biases of +-50, a softcap of 30 against logits up to ~48. Each kernel runs its own forward.
   const LargeLogitCase cases[] = {

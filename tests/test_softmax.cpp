@@ -222,7 +222,8 @@ TEST_CASE("the softcap's float tanh is within 1.5 ulp of tanh", "[softmax][softc
   INFO("worst " << worst << " ulp at " << at << " over " << x.size() << " values");
   CHECK(worst <= 1.5);
   // One value at a time (the scalar paths) is bitwise the packet path.
-  for (const size_t i : {size_t(1), size_t(17), x.size() / 3, x.size() - 1}) CHECK(sdpa::internal::tanhAccurate(x[i]) == y[i]);
+  for (const size_t i : {size_t(1), size_t(17), x.size() / 3, x.size() - 1})
+    CHECK(sdpa::internal::tanhAccurate(x[i]) == y[i]);
   // Special values: tanh(+-inf) = +-1, NaN stays NaN, and a softcap bounds every logit by c.
   float s[] = {INFINITY, -INFINITY, NAN, 1e30f, -1e30f, 0.0f};
   sdpa::internal::softcapInPlace(s, 6, 30.0f);

@@ -101,8 +101,8 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
   if (biasRows >= 0) g.dbias.setZero(biasRows, biasShape.second);
   const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
   if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-    backwardTiled<Scalar>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, g.dq, g.dk, g.dv,
-                          g.dscale, biasRows >= 0 ? &g.dbias : nullptr);
+    backwardTiled<Scalar>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, g.dq, g.dk, g.dv, g.dscale,
+                          biasRows >= 0 ? &g.dbias : nullptr);
   } else {  // an else, not an early return: a tiled call must not instantiate the naive kernel
     typename backward_naive_impl<Scalar>::Scratch scratch;
     Vector<double> dscale = Vector<double>::Zero(heads.query);
@@ -110,8 +110,9 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
       const Index dbiasRow0 = biasRows == u.nQ ? 0 : u.head * u.nQ;
       dscale(u.head) += backward_naive_impl<Scalar>::run(
           headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV), taus.head(u.head), itemMask(mask, u), dropout, u.head,
-          u.q0, u.k0, headBlock(g.dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
+          headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
+          taus.head(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
+          headBlock(g.dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
           headBlock(g.dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
           headBlock(g.dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), biasRows >= 0 ? &g.dbias : nullptr, dbiasRow0,
           scratch);

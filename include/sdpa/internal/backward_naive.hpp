@@ -31,10 +31,9 @@ struct backward_naive_impl {
   /// RowSoftmax), so each row sums to 1 in them, as in a plain computation.
   template <typename Scale, typename Mask>
   static double run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
-                    const ConstRef<Scalar>& dO, const Scale& scale, const Mask& mask,
-                    const Dropout& dropout, Index head, Index row0, Index col0, Eigen::Ref<Matrix<Scalar>> dq,
-                    Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv, Matrix<Scalar>* dbias,
-                    Index dbiasRow0, Scratch& s) {
+                    const ConstRef<Scalar>& dO, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                    Index head, Index row0, Index col0, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
+                    Eigen::Ref<Matrix<Scalar>> dv, Matrix<Scalar>* dbias, Index dbiasRow0, Scratch& s) {
     const Index nQ = q.rows(), nK = k.rows();
     const Scalar tau = scale.template value<Scalar>(q.cols());
     const Scalar cap = Scalar(mask::internal::softcapOf(mask));

@@ -338,10 +338,10 @@ inline constexpr Index kBackwardCacheBytes = Index(64) << 20;
 
 template <typename Scalar, typename Scale, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO,
-                   const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
-                   const Scale& scale, const Mask& mask, const Dropout& dropout, Matrix<Scalar>& dq, Matrix<Scalar>& dk,
-                   Matrix<Scalar>& dv, Vector<Scalar>& dscale, Matrix<Scalar>* dbias) {
+                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
+                   const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                   Matrix<Scalar>& dq, Matrix<Scalar>& dk, Matrix<Scalar>& dv, Vector<Scalar>& dscale,
+                   Matrix<Scalar>* dbias) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
     // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
@@ -363,8 +363,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     const bool noK = dims.dK == 0;
     const bool noV = dims.dV == 0;
     backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
-                          noV ? ConstRef<Scalar>(v1) : v,
-                          noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
+                          noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
                           noK ? dq1 : dq, noK ? dk1 : dk, noV ? dv1 : dv, dscale, dbias);
     return;

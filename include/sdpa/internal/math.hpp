@@ -63,8 +63,7 @@ void tanhInPlace(S* x, Index n, S c, S out) {
     constexpr Index W = ei::packet_traits<S>::size;
     const Packet pc = ei::pset1<Packet>(c), po = ei::pset1<Packet>(out);
     Index i = 0;
-    for (; i + W <= n; i += W)
-      ei::pstoreu(x + i, ei::pmul(po, ptanhAccurate(ei::pdiv(ei::ploadu<Packet>(x + i), pc))));
+    for (; i + W <= n; i += W) ei::pstoreu(x + i, ei::pmul(po, ptanhAccurate(ei::pdiv(ei::ploadu<Packet>(x + i), pc))));
     if (i < n) {
       S lanes[W] = {};
       for (Index j = i; j < n; ++j) lanes[j - i] = x[j];
