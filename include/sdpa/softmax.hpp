@@ -52,24 +52,6 @@ auto expHidingMinusInf(const Eigen::ArrayBase<Derived>& z) {
 }
 
 /**
- * The attention weights P = exp(L - lse) of one row of logits L, from the forward pass's
- * logSumExp, written into p (may alias l): hidden entries (-inf) and a fully masked row
- * (lse = -inf) give exactly 0; a row whose forward was NaN (lse NaN) gives NaN at its visible
- * entries only, so the NaN does not reach the gradients of keys the row never saw.
- */
-template <typename DL, typename DP, typename Scalar>
-void weightsFromLogSumExp(const Eigen::ArrayBase<DL>& l, const Eigen::ArrayBase<DP>& p_, Scalar lse) {
-  auto& p = const_cast<Eigen::ArrayBase<DP>&>(p_);  // Eigen's idiom to write into blocks
-  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
-  if (lse == -inf)
-    p.setZero();
-  else if (std::isnan(lse))
-    for (Index j = 0; j < p.size(); ++j) p(j) = l(j) == -inf ? Scalar(0) : std::numeric_limits<Scalar>::quiet_NaN();
-  else
-    p = expHidingMinusInf(l - lse);
-}
-
-/**
  * The softmax of one row of logits as the backward pass keeps it: the row maximum m and
  * l = sum_j exp(L_j - m), never folded into one logSumExp m + log l. Rounded to float, that sum
  * is off by half an ulp of |m| (2e-6 at |L| = 60), an error that every weight exp(L - lse) would
