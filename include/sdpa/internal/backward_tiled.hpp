@@ -38,6 +38,7 @@ struct backward_tiled_impl {
   struct Scratch {
     Buffer<Scalar> x, y, t, p, pDropped, dp, g;
     Buffer<Scalar> cacheX, cacheY, cacheDp;  // a query block's L, Y and dP against every key
+    std::vector<char> dpFinite;              // per key tile of the block: dP holds no NaN or inf
     Matrix<Scalar> dk, dv, dbias;            // this thread's share of the shared gradients
   };
   static Scratch& threadScratch() {
@@ -159,40 +160,57 @@ struct backward_tiled_impl {
     d.setZero();
     yc.setZero();
     const bool keepY = h.keepY();
-    forEachTile(h, dropout, i0, bq, tileK, tiles, true, sc, [&](Index, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
-      for (Index r = 0; r < bq; ++r) {
-        if (std::isnan(m(r))) continue;
-        auto row = x.row(r).array();
-        // The plain maximum, and a NaN it misses caught by the exp pass, as in OnlineSoftmax.
-        const Scalar tileMax = row.maxCoeff();
-        if (!(tileMax < inf)) {
-          m(r) = std::numeric_limits<Scalar>::quiet_NaN();
-          continue;
-        }
-        const Scalar mNew = std::max(m(r), tileMax);
-        if (mNew == -inf) {
-          if (row.hasNaN()) m(r) = std::numeric_limits<Scalar>::quiet_NaN();
-          continue;
-        }
-        if (tileMax > m(r)) {
-          Index jc = 0;
-          row.maxCoeff(&jc);
-          yc(r) = keepY ? y(r, jc) : tileMax;
-        }
-        const auto [tileSum, tileDot] = expShiftedSumDot(x.row(r).data(), dp.row(r).data(), bk, mNew);
-        if (std::isnan(tileSum)) {
-          m(r) = std::numeric_limits<Scalar>::quiet_NaN();
-          continue;
-        }
-        // alpha = 0 (the first visible tile, or a new maximum so far above that the earlier
-        // weights are exactly 0): the earlier sums are dropped, not multiplied by 0 (a dP of inf
-        // at a key of weight 0 now would turn into NaN), as OnlineSoftmax::absorb does.
-        const Scalar alpha = std::exp(m(r) - mNew);
-        l(r) = alpha == Scalar(0) ? tileSum : alpha * l(r) + tileSum;
-        d(r) = alpha == Scalar(0) ? tileDot : alpha * d(r) + tileDot;
-        m(r) = mNew;
+    sc.dpFinite.assign(size_t((h.k.rows() + tileK - 1) / tileK), 1);
+    // One row of one tile: folds the tile into the row's running sums; returns whether its dP is
+    // all finite, or -1 when the row was not summed (its dP not looked at).
+    const auto absorb = [&](Index r, Index bk, TileMap& x, TileMap& y, TileMap& dp) -> int {
+      if (std::isnan(m(r))) return -1;
+      auto row = x.row(r).array();
+      // The plain maximum, and a NaN it misses caught by the exp pass, as in OnlineSoftmax.
+      const Scalar tileMax = row.maxCoeff();
+      if (!(tileMax < inf)) {
+        m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+        return -1;
       }
-    });
+      const Scalar mNew = std::max(m(r), tileMax);
+      if (mNew == -inf) {
+        if (row.hasNaN()) m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+        return -1;
+      }
+      if (tileMax > m(r)) {
+        if (keepY) {
+          Index jc = 0;
+          while (x(r, jc) != tileMax) ++jc;
+          yc(r) = y(r, jc);
+        } else {
+          yc(r) = tileMax;
+        }
+      }
+      const auto s = expShiftedSumDot(x.row(r).data(), dp.row(r).data(), bk, mNew);
+      if (std::isnan(s.sum)) {
+        m(r) = std::numeric_limits<Scalar>::quiet_NaN();
+        return s.wFinite;
+      }
+      // alpha = 0 (the first visible tile, or a new maximum so far above that the earlier
+      // weights are exactly 0): the earlier sums are dropped, not multiplied by 0 (a dP of inf
+      // at a key of weight 0 now would turn into NaN), as OnlineSoftmax::absorb does.
+      const Scalar alpha = std::exp(m(r) - mNew);
+      l(r) = alpha == Scalar(0) ? s.sum : alpha * l(r) + s.sum;
+      d(r) = alpha == Scalar(0) ? s.dot : alpha * d(r) + s.dot;
+      m(r) = mNew;
+      return s.wFinite;
+    };
+    forEachTile(h, dropout, i0, bq, tileK, tiles, true, sc,
+                [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
+                  // Whether the tile's dP is all finite, for the second pass (which may then use plain
+                  // products): gathered here, where dP is in cache anyway.
+                  bool dpFinite = true;
+                  for (Index r = 0; r < bq; ++r) {
+                    const int rowFinite = absorb(r, bk, x, y, dp);
+                    dpFinite = dpFinite && (rowFinite < 0 ? allFiniteVectorised(dp.row(r)) : rowFinite == 1);
+                  }
+                  sc.dpFinite[size_t(j0 / tileK)] = dpFinite;
+                });
     for (Index r = 0; r < bq; ++r) {
       if (l(r) > Scalar(0)) d(r) /= l(r);
       // The centre as dL/dtau's factor (in units of tau): Y softcap'(Y) at the maximum.
@@ -226,11 +244,12 @@ struct backward_tiled_impl {
   /**
    * One tile: query rows [i0, i0 + bq) x keys [j0, j0 + bk). Accumulates dq rows (bq x d_k),
    * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient; returns the tile's
-   * dL/dtau. Each step quotes the forward line it differentiates.
+   * dL/dtau. finite: the head's inputs and this tile's dP are all finite (the first pass's
+   * finding). Each step quotes the forward line it differentiates.
    */
   template <typename Mask, typename DQ, typename DK, typename DV>
   static double tile(const Head<Mask>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
-                     Index bk, TileMap& x, TileMap& y, TileMap& dp, const Eigen::MatrixBase<DQ>& dq_,
+                     Index bk, bool finite, TileMap& x, TileMap& y, TileMap& dp, const Eigen::MatrixBase<DQ>& dq_,
                      const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
                      Scratch& sc) {
     auto& dq = const_cast<Eigen::MatrixBase<DQ>&>(dq_);
@@ -266,7 +285,6 @@ struct backward_tiled_impl {
     // dL is 0 even if dP is NaN or inf there: from a non-finite input, or from finite ones whose
     // product overflows (|v| near the largest float). Eigen 3.4's select is scalar, so the
     // select path runs only when the inputs or this tile's dP are not all finite.
-    const bool finite = h.finite && allFiniteVectorised(dp);
     for (Index r = 0; r < bq; ++r) {
       const Scalar d = rows.d(i0 + r);
       auto pr = p.row(r).array();
@@ -458,10 +476,10 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       using TileMap = typename Impl::TileMap;
       Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, false, sc,
                         [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
-                          dscaleT[size_t(t)](u.head) +=
-                              Impl::tile(hd, rows, dropout, un.i0, bq, j0, bk, x, y, dp, dqRows,
-                                         dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
-                                         dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
+                          dscaleT[size_t(t)](u.head) += Impl::tile(
+                              hd, rows, dropout, un.i0, bq, j0, bk, hd.finite && sc.dpFinite[size_t(j0 / tile.k)], x, y,
+                              dp, dqRows, dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
+                              dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
                         });
     });
   });

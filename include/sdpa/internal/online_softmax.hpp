@@ -67,36 +67,47 @@ void expDivided(const Acc* x, Acc* p, Index n, Acc m, Acc l) {
   }
 }
 
+/// What expShiftedSumDot returns.
+template <typename Acc>
+struct ExpSumDot {
+  Acc sum, dot;
+  bool wFinite;  ///< every w[j] is finite (whatever its weight)
+};
+
 /**
  * expShiftedSum without storing the weights, also returning dot = sum_j e_j w[j], e_j =
- * exp(x[j] - m), over the j whose weight is not 0 (w may be inf or NaN elsewhere). sum is NaN if
- * some x[j] is NaN.
+ * exp(x[j] - m), over the j whose weight is not 0 (w may be inf or NaN elsewhere), and whether
+ * every w[j] is finite (the backward's dP: a GEMM may read it only then). sum is NaN if some x[j]
+ * is NaN.
  */
 template <typename Acc>
-std::pair<Acc, Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
+ExpSumDot<Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<Acc>::type;
   constexpr Index W = ei::packet_traits<Acc>::size;
   const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>);
-  Packet total = ei::pset1<Packet>(Acc(0)), args = total, dot = total;
+  Packet total = ei::pset1<Packet>(Acc(0)), args = total, dot = total, wZero = total;
   Index j = 0;
   for (; j + W <= n; j += W) {
     const Packet z = ei::psub(ei::ploadu<Packet>(x + j), pm);
     const Packet e = ei::pand(ei::pexp(z), ei::pcmp_lt(pcut, z));
+    const Packet pw = ei::ploadu<Packet>(w + j);
     total = ei::padd(total, e);
     args = ei::padd(args, z);
+    wZero = ei::padd(wZero, ei::pmul(pw, ei::pzero(pw)));  // NaN iff some w is not finite
     // A weight that is 0 (hidden, or exp underflowed) adds nothing, not 0 * w.
-    dot = ei::padd(dot, ei::pandnot(ei::pmul(e, ei::ploadu<Packet>(w + j)), ei::pcmp_eq(e, ei::pzero(e))));
+    dot = ei::padd(dot, ei::pandnot(ei::pmul(e, pw), ei::pcmp_eq(e, ei::pzero(e))));
   }
-  Acc sum = ei::predux(total), argSum = ei::predux(args), d = ei::predux(dot);
+  Acc sum = ei::predux(total), argSum = ei::predux(args), d = ei::predux(dot), zero = ei::predux(wZero);
   for (; j < n; ++j) {
     const Acc z = x[j] - m;
     const Acc e = z > kExpCut<Acc> ? std::exp(z) : Acc(0);
     sum += e;
     if (e != Acc(0)) d += e * w[j];
+    zero += w[j] * Acc(0);
     argSum += z;
   }
-  return {std::isnan(argSum) ? argSum : sum, d};
+  return {std::isnan(argSum) ? argSum : sum, d, !std::isnan(zero)};
 }
 
 /**
