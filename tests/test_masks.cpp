@@ -231,3 +231,115 @@ TEST_CASE("mask arguments are validated with clear messages", "[mask][errors]") 
       sdpa::attention(q, k, v, sdpa::scale::None{}, mask::combine(mask::Causal{Align::UpperLeft}, mask::Bias{bias})),
       Contains("the Bias is 3x4 but the logits are 3x5"));
 }
+
+TEMPLATE_TEST_CASE("nested combinations act in stage order at any depth, forward and backward", "[mask][combine]",
+                   float, double) {
+  // Issue #15's defect: a combination inside another ran as one hiding stage, so in
+  // combine(Causal, combine(Softcap{5})) the softcap ran after hiding and turned -inf into -5
+  // (keys above the diagonal got weight). `combine` now flattens, and a nesting built by hand
+  // still runs its parts stage by stage.
+  using T = TestType;
+  using mask::Align;
+  using mask::Causal;
+  using mask::Combined;
+  using mask::Softcap;
+  static_assert(std::is_same_v<decltype(mask::combine(Causal{Align::UpperLeft}, mask::combine(Softcap{5.0}))),
+                               Combined<Causal, Softcap>>,
+                "combine flattens a combination among its arguments");
+  static_assert(std::is_same_v<decltype(mask::combine(mask::combine(mask::KeyLength{1}, mask::combine(Softcap{5.0})),
+                                                      Causal{Align::UpperLeft})),
+                               Combined<mask::KeyLength, Softcap, Causal>>,
+                "combine flattens at any depth");
+
+  const Index L = 9, S = 12, dK = 8, dV = 5;
+  const Mat<T> q = randn<T>(L, dK, 71, 3.0), k = randn<T>(S, dK, 72), v = randn<T>(S, dV, 73), dO = randn<T>(L, dV, 74);
+  const Mat<T> bias = randn<T>(L, S, 75);
+  const long double tau = 1.0L / std::sqrt((long double)dK);
+  const sdpa::scale::InvSqrtDk scale;
+  const auto causalUL = [](Index i, Index j) { return j <= i; };
+  const auto biasFn = [&](Index i, Index j) {
+    return (long double)bias(i, j) - 0.25L * std::abs((long double)(i - j));
+  };
+  const mask::Alibi alibi{{0.25}, Align::UpperLeft};
+  // The flat reference combination, and the same parts nested in every way that matters: the
+  // softcap inside a combination listed after the hiding, at depth 2 and 3, built by combine
+  // and by hand (the latter is not flattened), with bias and ALiBi at other depths.
+  const auto flatBiasFirst = mask::combine(Softcap{5.0}, Causal{Align::UpperLeft}, mask::Bias{bias}, alibi);
+  const auto viaCombine =
+      mask::combine(Causal{Align::UpperLeft}, mask::combine(mask::Bias{bias}, mask::combine(Softcap{5.0})), alibi);
+  using Inner = Combined<mask::Bias<Mat<T>>, Combined<Softcap, mask::Alibi>>;
+  const Combined<Causal, Inner> byHand(Causal{Align::UpperLeft},
+                                       Inner(mask::Bias{bias}, Combined<Softcap, mask::Alibi>(Softcap{5.0}, alibi)));
+  const Combined<Combined<mask::Alibi, Combined<Causal>>, Combined<mask::Bias<Mat<T>>, Softcap>> byHandOtherOrder(
+      Combined<mask::Alibi, Combined<Causal>>(alibi, Combined<Causal>(Causal{Align::UpperLeft})),
+      Combined<mask::Bias<Mat<T>>, Softcap>(mask::Bias{bias}, Softcap{5.0}));
+
+  // Additive terms add in listing order (floating-point addition is not associative), so each
+  // nesting is compared with the flat combination of its parts in its listing order.
+  const auto flatAlibiFirst = mask::combine(alibi, Causal{Align::UpperLeft}, mask::Bias{bias}, Softcap{5.0});
+  const auto checkOne = [&](const auto& m, const auto& flat, const char* name) {
+    INFO("mask " << name);
+    forEachKernel([&](const auto& kern, const char* kernelName) {
+      INFO("kernel " << kernelName);
+      checkForwardWith<T>(kern, q, k, v, scale, m, tau, causalUL, biasFn, 5.0L);
+      // The nesting computes what the flat combination does: the forward bit for bit (the same
+      // operations in the same order, for any thread count), the backward to rounding (its
+      // threads sum dk, dv and dtau in the order they take work units). The flat one's gradients
+      // are checked against finite differences in test_backward.cpp.
+      const auto fwd = sdpa::attentionForward(kern, q, k, v, scale, m);
+      const auto fwdFlat = sdpa::attentionForward(kern, q, k, v, scale, flat);
+      CHECK(fwd.output == fwdFlat.output);
+      CHECK(fwd.logSumExp == fwdFlat.logSumExp);
+      const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dO, scale, m);
+      const auto gFlat = sdpa::attentionBackward(kern, q, k, v, fwdFlat, dO, scale, flat);
+      const auto close = [](const auto& a, const auto& b) {
+        return maxAbsDiff(a, b) <= 16 * std::numeric_limits<T>::epsilon() * std::max(1.0, maxAbs(b));
+      };
+      CHECK(g.dq == gFlat.dq);  // each dq row is owned by one work unit
+      CHECK(close(g.dk, gFlat.dk));
+      CHECK(close(g.dv, gFlat.dv));
+      CHECK(std::abs(g.dscale - gFlat.dscale) <=
+            16 * std::numeric_limits<T>::epsilon() * std::max(T(1), std::abs(gFlat.dscale)));
+      CHECK(g.dbias == gFlat.dbias);
+      // Hidden keys (above the diagonal) have no gradient.
+      for (Index i = 0; i < L; ++i)
+        for (Index j = i + 1; j < S; ++j) CHECK(g.dbias(i, j) == T(0));
+    });
+  };
+  checkOne(viaCombine, flatBiasFirst, "combine(Causal, combine(Bias, combine(Softcap)), Alibi)");
+  checkOne(byHand, flatBiasFirst, "Combined<Causal, Combined<Bias, Combined<Softcap, Alibi>>> by hand");
+  checkOne(byHandOtherOrder, flatAlibiFirst,
+           "Combined<Combined<Alibi, Combined<Causal>>, Combined<Bias, Softcap>> by hand");
+
+  // The defect's own example, as the issue measured it: 3 keys, causal above a softcap of 5.
+  const Mat<T> q3 = randn<T>(3, 4, 76), k3 = randn<T>(3, 4, 77), v3 = Mat<T>::Identity(3, 3);
+  forEachKernel([&](const auto& kern, const char*) {
+    const auto out = sdpa::attentionForward(kern, q3, k3, v3, scale,
+                                            mask::combine(Causal{Align::UpperLeft}, mask::combine(Softcap{5.0})))
+                         .output;
+    CHECK(out(0, 1) == T(0));
+    CHECK(out(0, 2) == T(0));
+    CHECK(out(1, 2) == T(0));
+  });
+}
+
+TEMPLATE_TEST_CASE("a nested combination in a padded batch aligns to each item's lengths", "[mask][combine][batch]",
+                   float, double) {
+  // AlignedToLengths wraps the caller's mask: its stages must still run in order inside it.
+  using T = TestType;
+  const Index dK = 6, dV = 4;
+  const Mat<T> q = randn<T>(10, dK, 81, 3.0), k = randn<T>(14, dK, 82), v = randn<T>(14, dV, 83);
+  const auto layout = sdpa::BatchLayout::padded(2, 5, 7, {4, 5}, {6, 7});
+  const auto nested = mask::combine(mask::Causal{Align::LowerRight}, mask::combine(mask::Softcap{4.0}));
+  const auto flat = mask::combine(mask::Softcap{4.0}, mask::Causal{Align::LowerRight});
+  const auto a = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{1, 1}, sdpa::scale::InvSqrtDk{}, nested);
+  const auto b = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{1, 1}, sdpa::scale::InvSqrtDk{}, flat);
+  CHECK(a.output == b.output);
+  // Against one call per item on its valid rows.
+  for (Index item = 0; item < 2; ++item) {
+    const Index lq = item == 0 ? 4 : 5, lk = item == 0 ? 6 : 7;
+    const Mat<T> qi = q.middleRows(item * 5, lq), ki = k.middleRows(item * 7, lk), vi = v.middleRows(item * 7, lk);
+    const auto one = sdpa::attentionForward(qi, ki, vi, sdpa::scale::InvSqrtDk{}, flat);
+    CHECK(maxAbsDiff(a.output.middleRows(item * 5, lq), one.output) <= 8 * std::numeric_limits<T>::epsilon());
+  }
+}

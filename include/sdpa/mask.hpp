@@ -430,10 +430,55 @@ struct Softcap {
   }
 };
 
+template <typename... Masks>
+class Combined;
+
+namespace internal {
+template <typename M>
+struct AlignedToLengths;
+
+template <typename T>
+struct IsCombined : std::false_type {};
+template <typename... M>
+struct IsCombined<Combined<M...>> : std::true_type {};
+template <typename T>
+struct IsAlignedToLengths : std::false_type {};
+template <typename M>
+struct IsAlignedToLengths<AlignedToLengths<M>> : std::true_type {};
+
+/**
+ * Applies the parts of mask m that act at stage S, looking inside combinations at any depth (and
+ * through a padded item's alignment), so that every softcap of a nested combination runs before
+ * any hiding and every hiding before any additive term, whatever the nesting.
+ */
+template <Stage S, typename M, typename DerivedS>
+void applyStage(const M& m, const Eigen::MatrixBase<DerivedS>& tile, Index row0, Index col0, Index nQ, Index nK,
+                Index head) {
+  if constexpr (IsCombined<M>::value) {
+    std::apply([&](const auto&... part) { (applyStage<S>(part, tile, row0, col0, nQ, nK, head), ...); }, m.parts());
+  } else if constexpr (IsAlignedToLengths<M>::value) {
+    applyStage<S>(m.mask, tile, row0, col0, nQ, nK + m.shift, head);
+  } else if constexpr (M::MaskStage == S) {
+    m.apply(tile, row0, col0, nQ, nK, head);
+  }
+}
+
+/// A mask's parts as a tuple: a combination's own parts (already flat), any other mask alone.
+template <typename M>
+auto partsOf(M&& m) {
+  if constexpr (IsCombined<std::decay_t<M>>::value)
+    return std::forward<M>(m).parts();
+  else
+    return std::tuple<std::decay_t<M>>(std::forward<M>(m));
+}
+}  // namespace internal
+
 /**
  * \brief Several masks at once, e.g. `combine(Causal{Align::LowerRight}, SlidingWindow{...},
  * KeyLength{n}, Bias{b})`. A key is visible iff every part lets it through; the parts act in
- * stage order (softcap, hiding, additive), whatever order they are listed in.
+ * stage order (softcap, hiding, additive), whatever order they are listed in. `combine` flattens
+ * a combination passed to it into its parts, and a nested combination built by hand still has its
+ * parts run stage by stage (internal::applyStage), so nesting never changes the order.
  */
 template <typename... Masks>
 class Combined {
@@ -469,26 +514,14 @@ class Combined {
   template <typename DerivedS>
   void apply(const Eigen::MatrixBase<DerivedS>& tile, Index row0, Index col0, Index nQ, Index nK,
              Index head = 0) const {
-    applyStage<Stage::Transform>(tile, row0, col0, nQ, nK, head);
-    applyStage<Stage::Hide>(tile, row0, col0, nQ, nK, head);
-    applyStage<Stage::Add>(tile, row0, col0, nQ, nK, head);
+    internal::applyStage<Stage::Transform>(*this, tile, row0, col0, nQ, nK, head);
+    internal::applyStage<Stage::Hide>(*this, tile, row0, col0, nQ, nK, head);
+    internal::applyStage<Stage::Add>(*this, tile, row0, col0, nQ, nK, head);
   }
-  const std::tuple<Masks...>& parts() const { return m_masks; }
+  const std::tuple<Masks...>& parts() const& { return m_masks; }
+  std::tuple<Masks...>&& parts() && { return std::move(m_masks); }
 
  private:
-  template <Stage S, typename DerivedS>
-  void applyStage(const Eigen::MatrixBase<DerivedS>& tile, Index row0, Index col0, Index nQ, Index nK,
-                  Index head) const {
-    std::apply(
-        [&](const auto&... m) {
-          (
-              (void)[&] {
-                if constexpr (std::decay_t<decltype(m)>::MaskStage == S) m.apply(tile, row0, col0, nQ, nK, head);
-              }(),
-              ...);
-        },
-        m_masks);
-  }
   std::tuple<Masks...> m_masks;
 };
 
@@ -503,12 +536,17 @@ struct IsMaskImpl<T, std::void_t<decltype(T::IsMask)>> : std::bool_constant<T::I
 template <typename T>
 inline constexpr bool IsMask = internal::IsMaskImpl<std::decay_t<T>>::value;
 
-/// \brief Combines masks: `combine(Causal{Align::UpperLeft}, KeyLength{n}, Bias{b})`.
+/**
+ * \brief Combines masks: `combine(Causal{Align::UpperLeft}, KeyLength{n}, Bias{b})`. A
+ * combination among the arguments is spliced in as its parts: `combine(a, combine(b, c))` is
+ * `combine(a, b, c)`, of the same type.
+ */
 template <typename... Masks>
-Combined<std::decay_t<Masks>...> combine(Masks&&... masks) {
+auto combine(Masks&&... masks) {
   SDPA_STATIC_ASSERT((IsMask<Masks> && ...), EVERY_ARGUMENT_OF_combine_MUST_BE_A_MASK_FROM_sdpa_mask);
   SDPA_STATIC_ASSERT(sizeof...(Masks) > 0, combine_NEEDS_AT_LEAST_ONE_MASK__USE_mask_None);
-  return Combined<std::decay_t<Masks>...>(std::forward<Masks>(masks)...);
+  return std::apply([](auto&&... part) { return Combined<std::decay_t<decltype(part)>...>(std::move(part)...); },
+                    std::tuple_cat(internal::partsOf(std::forward<Masks>(masks))...));
 }
 
 namespace internal {
@@ -544,19 +582,9 @@ struct AlignedToLengths {
   }
 };
 template <typename T>
-struct IsAlignedToLengths : std::false_type {};
-template <typename M>
-struct IsAlignedToLengths<AlignedToLengths<M>> : std::true_type {};
-
-template <typename T>
 struct IsBiasMatrix : std::false_type {};
 template <typename D>
 struct IsBiasMatrix<Bias<D>> : std::true_type {};
-template <typename T>
-struct IsCombined : std::false_type {};
-template <typename... M>
-struct IsCombined<Combined<M...>> : std::true_type {};
-
 /// rows x cols of the first Bias matrix in a mask (looking inside combine), or {-1, -1}. The
 /// backward pass reports the bias gradient in this shape.
 template <typename M>
