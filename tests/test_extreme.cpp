@@ -209,6 +209,45 @@ TEST_CASE("backward: products that overflow at hidden positions do not leak into
   }
 }
 
+TEST_CASE("a scale above 1 multiplies the logits, not q: |q| near the largest float with tiny keys",
+          "[extreme][tiled]") {
+  // tau = 5.6, q_c = 3e38 against k_c = 1e-40 (subnormal): q_c k_c = 3e-2 and every logit is
+  // finite, but a folded tau q_c is inf, which made the tiled row NaN (found by tests/fuzz).
+  // Every kernel now computes tau (q k^T) where |tau| > 1, as the plain computation does, and
+  // agrees with the oracle; |tau| <= 1 keeps the fold, where it cannot overflow.
+  const Index nQ = 7, nK = 11, dK = 3, dV = 2;
+  Mat<float> q = randn<float>(nQ, dK, 61), k = randn<float>(nK, dK, 62);
+  const Mat<float> v = randn<float>(nK, dV, 63), dOut = randn<float>(nQ, dV, 64);
+  q.col(2).setConstant(3e38f);
+  k.col(2).setConstant(1e-40f);
+  for (const double tau : {5.6, -2.0, 0.75}) {
+    DYNAMIC_SECTION("tau " << tau) {
+      const scale::Constant sc{tau};
+      const auto causal = mask::Causal{mask::Align::UpperLeft};
+      checkEveryKernel<float>(
+          q, k, v, sc, causal, (long double)tau, [](Index i, Index j) { return j <= i; }, noBias());
+      const auto gold =
+          referenceBackward<long double>(q, k, v, dOut, (long double)tau, [](Index i, Index j) { return j <= i; });
+      const auto plain =
+          referenceBackward<float>(q, k, v, dOut, (long double)tau, [](Index i, Index j) { return j <= i; });
+      forEachKernel([&](const auto& kern, const char* name) {
+        INFO(name);
+        const auto fwd = sdpa::attentionForward(kern, q, k, v, sc, causal);
+        const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dOut, sc, causal);
+        // (dk = tau dS^T q may overflow with q at 3e38, in the plain computation too: not checked.)
+        REQUIRE(g.dq.allFinite());
+        REQUIRE(g.dv.allFinite());
+        const Mat<double> gdv = gold.dv.cast<double>();
+        CHECK(maxAbsDiff(g.dv, gdv) <= errorBound<float>(maxAbsDiff(plain.dv, gdv), maxAbs(gdv)));
+        // dq's third column is tau sum_j dS_ij k_j2 = O(1e-40 tau): compare the first two.
+        const Mat<double> gdq = gold.dq.cast<double>().leftCols(2);
+        CHECK(maxAbsDiff(g.dq.leftCols(2), gdq) <=
+              errorBound<float>(maxAbsDiff(plain.dq.leftCols(2), gdq), maxAbs(gdq)));
+      });
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("d_k = 0 and d_v = 0 over many tiles, batch items and heads, forward and backward",
                    "[extreme][edge]", float, double) {
   // A zero-column matrix has no data: the tiled kernels must never form blocks of it at a row

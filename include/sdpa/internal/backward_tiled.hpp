@@ -46,7 +46,10 @@ struct backward_tiled_impl {
     return scratch;
   }
 
-  /// Everything a tile needs besides its position. q, qs = tau q, k, v, dO are the head's
+  /// Whether the scale is folded into q (|tau| <= 1: no product of (tau q) k^T exceeds q k^T's).
+  static bool foldsScale(Scalar tau) { return std::abs(tau) <= Scalar(1); }
+
+  /// Everything a tile needs besides its position. q, qs (tau q or q: foldsScale), k, v, dO are the head's
   /// blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no zero-skipping).
   template <typename Mask>
   struct Head {
@@ -80,11 +83,12 @@ struct backward_tiled_impl {
 
   /// forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y)). x (bq x bk) becomes L and, if
   /// the head keeps it, y becomes Y. Both passes of the backward compute logits here alone, so
-  /// that they are bitwise the same.
+  /// that they are bitwise the same. qs is tau q for |tau| <= 1, else q (as in the forward).
   template <typename Mask>
   static void logits(const Head<Mask>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
                      TileMap& y) {
     x.noalias() = h.qs.middleRows(i0, bq) * h.k.middleRows(j0, bk).transpose();
+    if (!foldsScale(h.tau)) x *= h.tau;
     if (h.keepY()) y = x;
     if (kind == mask::Tile::Partial) h.mask.apply(x, i0, j0, h.q.rows(), h.k.rows(), h.head);
   }
@@ -391,14 +395,16 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   std::vector<ItemHead> pairs;
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
-  // Once per call: qs = tau_h q (the scale folded into q, as in the forward); whether every
-  // input is finite. (The forward's output O is not read: D is summed from this pass's P.)
+  // Once per call: qs = tau_h q (the scale folded into q where |tau_h| <= 1, as in the forward);
+  // whether every input is finite. (The forward's output O is not read: D is summed from this
+  // pass's P.)
   Matrix<Scalar> qs(q.rows(), q.cols());
   for (Index h = 0; h < H; ++h) {
+    const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
     qs.middleCols(h * dims.dK, dims.dK) =
-        headScale(scale, h).template value<Scalar>(dims.dK) * q.middleCols(h * dims.dK, dims.dK);
+        (Impl::foldsScale(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
   }
-  // qs rather than q: tau q may overflow where q does not.
+  // qs rather than q: 0 q is NaN where q is inf.
   const bool finite =
       allFiniteVectorised(qs) && allFiniteVectorised(k) && allFiniteVectorised(v) && allFiniteVectorised(dO);
   const Scalar cap = Scalar(mask::internal::softcapOf(mask));

@@ -213,13 +213,17 @@ struct forward_tiled_impl {
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
-    // costs one b_q x d_k multiply and None none. Copied column by column: q is column-major
-    // (columns n_q apart), and a walk in qs's row order touched a page per element (3%).
+    // costs one b_q x d_k multiply and None none. Only for |tau| <= 1: then no product or partial
+    // sum of (tau q) k^T is larger than the plain computation's q k^T; a larger tau multiplies the
+    // logits after the product instead (tau q may overflow where tau (q.k) does not). Copied
+    // column by column: q is column-major (columns n_q apart), and a walk in qs's row order
+    // touched a page per element (3%).
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
     const Acc tau = scale.template value<Acc>(dK);
+    const bool fold = std::abs(tau) <= Acc(1);
     for (Index c = 0; c < dK; ++c) {
       const auto column = q.col(c).segment(i0, bq).template cast<Acc>();
-      if (tau == Acc(1))
+      if (tau == Acc(1) || !fold)
         qs.col(c) = column;
       else
         qs.col(c) = tau * column;
@@ -259,6 +263,7 @@ struct forward_tiled_impl {
         const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
         s.noalias() = qs * kt.transpose();  // b_q x b_k logits
       }
+      if (!fold) s *= tau;
       if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
       // Masked tiles hold -inf; so may any tile whose k holds inf (q k^T = -inf), which only
       // the logits themselves reveal without another pass over k: every tile takes the select.
