@@ -535,3 +535,52 @@ TEST_CASE("float gradients where logits are large: every gradient within the Fla
   };
   for (const auto& c : cases) checkLargeLogits(c);
 }
+
+TEMPLATE_TEST_CASE("hidden NaN and inf: every kernel's non-finite path, with every logit transform, dscale included",
+                   "[backward][mask]", float, double) {
+  // Inputs with NaN or inf at positions the mask hides send every kernel through its non-finite
+  // path (products that skip zero weights, selects): its gradients -- dL/dtau and the bias
+  // gradient included, with a softcap, a bias, both -- must be those of the same inputs with the
+  // hidden entries finite (the plain path), to rounding.
+  using T = TestType;
+  constexpr T nan = std::numeric_limits<T>::quiet_NaN(), inf = std::numeric_limits<T>::infinity();
+  const Index L = 6, S = 5, dK = 4, dV = 3;
+  const Mat<T> q = randn<T>(L, dK, 51, 2.0), k = randn<T>(S, dK, 52), v = randn<T>(S, dV, 53),
+               dOut = randn<T>(L, dV, 54), bias = randn<T>(L, S, 55);
+  Mat<T> qBad = q, kBad = k, vBad = v;
+  qBad(5, 1) = nan;  // query 5: hidden by QueryLength{5}
+  kBad(4, 0) = inf;  // key 4: hidden by KeyLength{4}
+  kBad(4, 2) = -inf;
+  vBad(4, 2) = nan;
+  const auto hide = mask::combine(mask::KeyLength{4}, mask::QueryLength{5});
+  const auto withTransform = [&](const auto& f) {
+    f(hide, "no transform");
+    f(mask::combine(hide, mask::Softcap{2.5}), "Softcap");
+    f(mask::combine(hide, mask::Bias{bias}), "Bias");
+    f(mask::combine(mask::Softcap{2.5}, hide, mask::Bias{bias}, mask::Causal{Align::UpperLeft}),
+      "Softcap, Bias, causal");
+  };
+  forEachKernel([&](const auto& kern, const char* kernelName) {
+    withTransform([&](const auto& m, const char* maskName) {
+      INFO("kernel " << kernelName << ", " << maskName);
+      const scale::InvSqrtDk tau;  // 1/2: dtau off by a factor tau would show
+      const auto cleanFwd = sdpa::attentionForward(kern, q, k, v, tau, m);
+      const auto clean = sdpa::attentionBackward(kern, q, k, v, cleanFwd, dOut, tau, m);
+      REQUIRE(clean.dq.allFinite());
+      const auto dirtyFwd = sdpa::attentionForward(kern, qBad, kBad, vBad, tau, m);
+      const auto dirty = sdpa::attentionBackward(kern, qBad, kBad, vBad, dirtyFwd, dOut, tau, m);
+      const double scaleOf = 1 + std::max({maxAbs(clean.dq), maxAbs(clean.dk), maxAbs(clean.dv)});
+      const double tol = 16 * std::numeric_limits<T>::epsilon() * scaleOf;
+      // Query 5 and key 4 are hidden: their gradients are 0, the rest as in the clean run.
+      CHECK(dirty.dq.row(5).isZero(0));
+      CHECK(dirty.dk.row(4).isZero(0));
+      CHECK(dirty.dv.row(4).isZero(0));
+      CHECK(maxAbsDiff(dirty.dq.topRows(5), clean.dq.topRows(5)) <= tol);
+      CHECK(maxAbsDiff(dirty.dv.topRows(4), clean.dv.topRows(4)) <= tol);
+      CHECK(maxAbsDiff(dirty.dk.topRows(4), clean.dk.topRows(4)) <= tol);
+      CHECK(std::abs(double(dirty.dscale) - double(clean.dscale)) <=
+            16 * std::numeric_limits<T>::epsilon() * (1 + std::abs(double(clean.dscale))));
+      if (clean.dbias.size()) CHECK(maxAbsDiff(dirty.dbias, clean.dbias) <= tol);
+    });
+  });
+}

@@ -208,3 +208,30 @@ TEST_CASE("calibrateTemperature finds the tau of a target entropy or logit std  
   CHECK_THROWS_WITH(sdpa::calibrateTemperature(q, k, sdpa::CalibrationTarget::entropyFraction(1.5)),
                     Contains("entropy fraction in (0, 1)"));
 }
+
+TEST_CASE("the saturation and near-uniform thresholds, with rows on both sides of each", "[diagnostics]") {
+  // Two keys with logits x and 0 (d_k = 1, q = x, k = (1, 0), tau = 1): p_max = 1 / (1 + e^-x),
+  // and the entropy fraction H / log 2 follows. Rows are placed just above and below
+  // kSaturated = 0.99 (p_max) and kNearUniform = 0.99 (entropy fraction), and at 0.95, between a
+  // looser threshold of 0.9 and the real one.
+  const auto logitFor = [](double pMax) { return std::log(pMax / (1 - pMax)); };
+  const auto fraction = [](double p) { return -(p * std::log(p) + (1 - p) * std::log(1 - p)) / std::log(2.0); };
+  const std::vector<double> pMax = {0.5, 0.55, 0.57, 0.95, 0.985, 0.995, 0.9999};
+  // Entropy fractions: 1, 0.9928, 0.9858, 0.286, ...: two rows above 0.99; p_max above 0.99: two.
+  REQUIRE(fraction(0.55) > sdpa::kNearUniform);
+  REQUIRE(fraction(0.57) < sdpa::kNearUniform);
+  REQUIRE(fraction(0.57) > 0.98);
+  Mat<double> q(Index(pMax.size()), 1), k(2, 1);
+  for (size_t i = 0; i < pMax.size(); ++i) q(Index(i), 0) = logitFor(pMax[i]);
+  k << 1, 0;
+  const auto d = sdpa::diagnose(q, k, scale::Constant{1.0});
+  const auto& h = d.heads.at(0);
+  CHECK(h.maxWeight.max == Approx(0.9999).epsilon(1e-12));
+  CHECK(h.saturatedFraction == Approx(2.0 / 7).epsilon(1e-15));
+  CHECK(h.uniformFraction == Approx(2.0 / 7).epsilon(1e-15));
+  // Below the saturation threshold everywhere: no saturated row, none near uniform.
+  const Mat<double> qMid = q.middleRows(3, 2);  // p_max 0.95 and 0.985
+  const auto mid = sdpa::diagnose(qMid, k, scale::Constant{1.0}).heads.at(0);
+  CHECK(mid.saturatedFraction == 0.0);
+  CHECK(mid.uniformFraction == 0.0);
+}

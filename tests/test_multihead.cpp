@@ -195,3 +195,60 @@ TEST_CASE("head layouts and batch layouts are validated with clear messages", "[
   CHECK_THROWS_WITH(sdpa::batchedAttention(q, k, v, sdpa::BatchLayout::padded(1, 3, 5, {}, {6}), sdpa::Heads{4, 2}),
                     Contains("keyLengths[0] = 6 is outside [0, 5]"));
 }
+
+TEMPLATE_TEST_CASE("GQA with a distinct scale per query head: forward, backward and diagnostics, every kernel",
+                   "[multihead][gqa][scale]", float, double) {
+  // Each query head h reads kv head h / group and is scaled by its own tau_h: a kernel that took
+  // the scale of the kv head (or the kv head of h % H_kv) computes another attention. Scales
+  // above 1 too (the tiled kernels multiply the logits there instead of folding tau into q).
+  using T = TestType;
+  const Index H = 4, hKv = 2, group = H / hKv, dK = 5, dV = 3, L = 7, S = 9;
+  const Mat<T> q = randn<T>(L, H * dK, 41), k = randn<T>(S, hKv * dK, 42), v = randn<T>(S, hKv * dV, 43),
+               dO = randn<T>(L, H * dV, 44);
+  const std::vector<double> taus = {0.2, 0.45, 0.7, 1.3};
+  const auto scales = scale::PerHead<scale::Constant>::constants(taus);
+  const auto m = mask::Causal{Align::LowerRight};
+  const auto close = [](const auto& a, const auto& b) {
+    return maxAbsDiff(a, b) <= 64 * std::numeric_limits<T>::epsilon() * std::max(1.0, maxAbs(b));
+  };
+  forEachKernel([&](const auto& kern, const char* kernelName) {
+    INFO("kernel " << kernelName);
+    const auto fwd = sdpa::multiHeadAttentionForward(kern, q, k, v, sdpa::Heads{H, hKv}, scales, m);
+    const auto g = sdpa::multiHeadAttentionBackward(kern, q, k, v, fwd, dO, sdpa::Heads{H, hKv}, scales, m);
+    Mat<T> dk = Mat<T>::Zero(S, hKv * dK), dv = Mat<T>::Zero(S, hKv * dV);
+    for (Index h = 0; h < H; ++h) {
+      INFO("head " << h << ", tau " << taus[size_t(h)]);
+      const Index kvh = h / group;
+      const Mat<T> qh = q.middleCols(h * dK, dK), kh = k.middleCols(kvh * dK, dK), vh = v.middleCols(kvh * dV, dV),
+                   dOh = dO.middleCols(h * dV, dV);
+      const scale::Constant tau{taus[size_t(h)]};
+      const auto one = sdpa::attentionForward(kern, qh, kh, vh, tau, m);
+      CHECK(fwd.output.middleCols(h * dV, dV) == one.output);  // bitwise: NUMERICS.md
+      CHECK(fwd.logSumExp.col(h) == one.logSumExp);
+      const auto gOne = sdpa::attentionBackward(kern, qh, kh, vh, one, dOh, tau, m);
+      CHECK(close(g.dq.middleCols(h * dK, dK), gOne.dq));
+      CHECK(std::abs(g.dscale(h) - gOne.dscale) <=
+            64 * std::numeric_limits<T>::epsilon() * std::max(T(1), std::abs(gOne.dscale)));
+      dk.middleCols(kvh * dK, dK) += gOne.dk;
+      dv.middleCols(kvh * dV, dV) += gOne.dv;
+    }
+    CHECK(close(g.dk, dk));
+    CHECK(close(g.dv, dv));
+  });
+
+  // diagnose: head h's figures are those of q_h against k_{h / group} at tau_h.
+  const auto d = sdpa::diagnose(q, k, sdpa::Heads{H, hKv}, scales, m);
+  REQUIRE(d.heads.size() == size_t(H));
+  for (Index h = 0; h < H; ++h) {
+    INFO("diagnose, head " << h);
+    const auto one = sdpa::diagnose(Mat<T>(q.middleCols(h * dK, dK)), Mat<T>(k.middleCols((h / group) * dK, dK)),
+                                    scale::Constant{taus[size_t(h)]}, m)
+                         .heads.front();
+    const auto& mh = d.heads[size_t(h)];
+    CHECK(mh.tau == Approx(taus[size_t(h)]));
+    CHECK(mh.logitStd == Approx(one.logitStd).epsilon(1e-5));
+    CHECK(mh.entropy.mean == Approx(one.entropy.mean).epsilon(1e-5));
+    CHECK(mh.maxWeight.mean == Approx(one.maxWeight.mean).epsilon(1e-5));
+    CHECK(mh.rawStd == Approx(one.rawStd).epsilon(1e-5));
+  }
+}
