@@ -252,3 +252,37 @@ TEMPLATE_TEST_CASE("GQA with a distinct scale per query head: forward, backward 
     CHECK(mh.rawStd == Approx(one.rawStd).epsilon(1e-5));
   }
 }
+
+TEMPLATE_TEST_CASE("decoding one key: a batch item and a head are bitwise the single-head call", "[multihead][decode]",
+                   float, double) {
+  // With one key, Eigen turned the product of the one-row key block into a dot product whose code
+  // depended on the block's stride (a contiguous row in the single-head call, a row of the packed
+  // batch), and under -march=native the FMA rounding did too (found by the fuzz corpus replayed
+  // in the native build). Scale None: q enters the products unscaled.
+  using T = TestType;
+  for (const Index nQ : {Index(1), Index(2), Index(4)})
+    for (const Index dK : {Index(3), Index(8), Index(33)}) {
+      INFO("n_q " << nQ << ", d_k " << dK);
+      const Mat<T> q = randn<T>(nQ, dK, 90 + dK, 2.0), k = randn<T>(1, dK, 91 + dK), v = randn<T>(1, 4, 92);
+      Mat<T> q2(2 * nQ, dK), k2(2, dK), v2(2, 4);
+      q2 << q, q;
+      k2 << k, k;
+      v2 << v, v;
+      for (const sdpa::kernel::Tiled kern : {sdpa::kernel::Tiled{}, sdpa::kernel::Tiled{2, 3}}) {
+        const auto one = sdpa::attentionForward(kern, q, k, v, scale::None{}, mask::KeyLength{1});
+        const auto batch =
+            sdpa::batchedAttentionForward(kern, q2, k2, v2, sdpa::BatchLayout::varlen({0, nQ, 2 * nQ}, {0, 1, 2}),
+                                          sdpa::Heads{1}, scale::None{}, mask::KeyLength{1});
+        CHECK(batch.logSumExp.col(0).head(nQ) == one.logSumExp);
+        CHECK(batch.logSumExp.col(0).tail(nQ) == one.logSumExp);
+        CHECK(batch.output.topRows(nQ) == one.output);
+        Mat<T> qh(nQ, 2 * dK), kh(1, 2 * dK), vh(1, 8);
+        qh << q, q;
+        kh << k, k;
+        vh << v, v;
+        const auto heads =
+            sdpa::multiHeadAttentionForward(kern, qh, kh, vh, sdpa::Heads{2}, scale::None{}, mask::KeyLength{1});
+        CHECK(heads.logSumExp.col(1) == one.logSumExp);
+      }
+    }
+}

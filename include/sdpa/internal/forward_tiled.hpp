@@ -250,8 +250,18 @@ struct forward_tiled_impl {
             for (; c < dK; ++c) axpyColumnsHalf<1>(&qs(r, c), &kChunk.coeffRef(0, c), stride, s.row(r).data(), cols);
           }
         } else if constexpr (std::is_same_v<In, float>) {
-          // Eigen's matrix-vector product streams several columns of k at once.
-          for (Index r = 0; r < bq; ++r) s.row(r).transpose().noalias() = kChunk * qs.row(r).transpose();
+          if (cols == 1) {
+            // One key: Eigen turns the product of a one-row block into a dot product whose code
+            // depends on the block's type and stride (a contiguous row, or a row of a packed
+            // batch), and with FMA the rounding does too. Copied, the same plain dot for every
+            // caller: a head of a batch gives the bits of the single-head call.
+            Eigen::Map<Vector<Acc>> kRow(sc.k.get(dK), dK);
+            kRow = kChunk.row(0).transpose();
+            for (Index r = 0; r < bq; ++r) s(r, 0) = Eigen::Map<const Vector<Acc>>(&qs(r, 0), dK).dot(kRow);
+          } else {
+            // Eigen's matrix-vector product streams several columns of k at once.
+            for (Index r = 0; r < bq; ++r) s.row(r).transpose().noalias() = kChunk * qs.row(r).transpose();
+          }
         } else {
           s.setZero();
           for (Index c = 0; c < dK; ++c) {
