@@ -334,11 +334,15 @@ struct Rounding {
   double outputFloor(Index i) const { return vMax(i) * (4 * dsMax(i) + (n(i) + 4) * eps + n(i) * tiny); }
   /// max over visible j and c of |tau q_ic k_jc|: the largest product the tiled kernel forms.
   double largestTerm(Index i) const { return termMax(i); }
-  /// The largest |entry| the tiled kernel's unnormalised accumulator may hold in row i.
+  /// The largest |entry| the tiled kernel's unnormalised accumulator may hold in row i: each
+  /// weight is at most 1 against the running maximum of the keys seen so far, so up to
+  /// sum_j |v_jc| over the visible keys. (Against the final maximum, sum_j p_j |v_jc| / max_j p_j,
+  /// it missed a prefix of keys whose own maximum is lower: found by the fuzzer in session 7.)
   double accumulatorBound(const Case& c, Index i) const {
-    const double top = p.row(i).maxCoeff();
-    if (!(top > 0) || !c.dV) return 0;
-    return (p.row(i) * finite(c.v).cwiseAbs()).maxCoeff() / top;
+    if (!c.dV || !(p.row(i).maxCoeff() > 0)) return 0;
+    // Visible keys with a finite logit (p or its error bound nonzero; a -inf logit weighs 0).
+    const Mat<double> seen = (p.row(i).array() > 0 || ds.row(i).array() > 0).cast<double>().matrix();  // 1 x n_k
+    return (seen * finite(c.v).cwiseAbs()).maxCoeff();
   }
   double lseFloor(Index i, double lse) const { return dsMax(i) + (n(i) + 4) * eps + 8 * eps * std::abs(lse); }
 };
