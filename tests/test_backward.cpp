@@ -348,6 +348,20 @@ TEST_CASE("dropout: keep rate 1 - p, the same mask in forward and backward, p = 
   // Dropout changes the output but not the logSumExp (it acts after the softmax).
   const auto dropped = sdpa::attentionForward(q, k, v, scale::InvSqrtDk{}, mask::None{}, dropout);
   CHECK(maxAbsDiff(dropped.output, sdpa::attentionForward(q, k, v).output) > 1e-3);
+  // Inverted dropout, as PyTorch's: O = (P * M / (1 - p)) v with the kept entries' mask M, so that
+  // E[O] is the plain output. Written out from the weights and keep(), every kernel.
+  const auto plain = sdpa::attentionForward(q, k, v);
+  Mat<double> pd(4, 6);
+  for (Index i = 0; i < 4; ++i)
+    for (Index j = 0; j < 6; ++j) {
+      const double w = std::exp(double((q.row(i) * k.row(j).transpose())(0)) / std::sqrt(3.0) - plain.logSumExp(i));
+      pd(i, j) = dropout.keep(i, j, 0) ? w / (1 - 0.3) : 0.0;
+    }
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto o = sdpa::attentionForward(kern, q, k, v, scale::InvSqrtDk{}, mask::None{}, dropout).output;
+    CHECK(maxAbsDiff(o, pd * v) <= 1e-13);
+  });
   CHECK(dropped.logSumExp == sdpa::attentionForward(q, k, v).logSumExp);
   CHECK_THROWS_WITH(sdpa::attentionForward(q, k, v, scale::InvSqrtDk{}, mask::None{}, sdpa::Dropout{1.0, 0}),
                     Contains("dropout p must be in [0, 1)"));

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Mutation testing of sdpa's headers: does the test suite notice a plausible one-line defect?
+
+Each mutant below replaces one exact, unique piece of a header under include/sdpa with a
+plausible mistake (a flipped comparison, an off-by-one, the wrong head, a dropped term). For each
+mutant the script copies the repository's include/, tests/ and experiments/ to a scratch
+directory, applies the change, compiles the test files that cover that code (g++ -O1, no unity
+build) and runs them; the mutant is *killed* when the build's tests fail (or time out), and
+*survives* when they pass. Mutants marked `equivalent` change no observable result; they are kept
+with the argument and left out of the score. A mutant whose change does not compile is
+*stillborn* (also left out): fix the list.
+
+    scripts/mutate.py                  # every mutant, 2 at a time; writes build/mutate/report.md
+    scripts/mutate.py -k tiled -j 1    # those whose id contains "tiled"
+    scripts/mutate.py --check          # only check that every pattern occurs exactly once
+    scripts/mutate.py --native -k half # with -march=native (code behind __AVX512F__ / __F16C__)
+
+Not part of CI (about 30-60 minutes on 2 cores); README's testing section records the last score.
+"""
+import argparse
+import concurrent.futures as cf
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (id, header, original text, mutated text, test files that cover it, note)
+# A test file list may name "fuzz": the harness replays the committed corpus too.
+MUTANTS = [
+    # --- masks ---------------------------------------------------------------------------
+    ("mask-causal-strict", "mask.hpp",
+     "return j <= i + diagonalOffset(align, nQ, nK); }", "return j < i + diagonalOffset(align, nQ, nK); }",
+     ["test_masks.cpp"], "causal hides the diagonal"),
+    ("mask-align-swap", "mask.hpp",
+     "return align == Align::UpperLeft ? 0 : nK - nQ; }", "return align == Align::UpperLeft ? 0 : nQ - nK; }",
+     ["test_masks.cpp"], "lower-right offset reversed"),
+    ("mask-window-high", "mask.hpp",
+     "return j >= p + lowOffset() && j <= p + highOffset();", "return j >= p + lowOffset() && j < p + highOffset();",
+     ["test_masks.cpp"], "window loses its right edge"),
+    ("mask-keylength-visible", "mask.hpp",
+     "bool visible(Index, Index j, Index, Index, Index = 0) const { return j < length; }",
+     "bool visible(Index, Index j, Index, Index, Index = 0) const { return j <= length; }",
+     ["test_masks.cpp"], "KeyLength off by one"),
+    ("mask-keylength-classify", "mask.hpp",
+     "return col0 >= length ? Tile::Hidden : (col0 + cols <= length ? Tile::Visible : Tile::Partial);",
+     "return col0 >= length ? Tile::Hidden : (col0 + cols <= length + 1 ? Tile::Visible : Tile::Partial);",
+     ["test_masks.cpp", "test_tiled.cpp"], "a partial tile classified visible"),
+    ("mask-querylength-classify", "mask.hpp",
+     "return row0 >= length ? Tile::Hidden : (row0 + rows <= length ? Tile::Visible : Tile::Partial);",
+     "return row0 > length ? Tile::Hidden : (row0 + rows <= length ? Tile::Visible : Tile::Partial);",
+     ["test_masks.cpp", "test_tiled.cpp"], "a tile of hidden rows classified Partial (the results are the same, but classify() breaks its contract, which test_masks checks)"),
+    ("mask-band-classify", "mask.hpp",
+     "if (colLast < row0 + lo || col0 > rowLast + hi) return Tile::Hidden;",
+     "if (colLast < row0 + lo || col0 >= rowLast + hi) return Tile::Hidden;",
+     ["test_masks.cpp", "test_tiled.cpp"], "band classification hides a visible tile"),
+    ("mask-nested-stage", "mask.hpp",
+     "  } else if constexpr (M::MaskStage == S) {\n    m.apply(tile, row0, col0, nQ, nK, head);",
+     "  } else if constexpr (M::MaskStage == S || (S == Stage::Hide && M::MaskStage == Stage::Transform)) {\n    m.apply(tile, row0, col0, nQ, nK, head);",
+     ["test_masks.cpp", "fuzz"], "a softcap also runs at the hiding stage (after hiding: -inf -> -c)"),
+    ("mask-padded-shift", "layout.hpp",
+     "const Index shift = (u.keyLength - u.queryLength) - (u.nK - u.nQ);",
+     "const Index shift = (u.keyLength - u.queryLength) + (u.nK - u.nQ);",
+     ["test_multihead.cpp"], "padded items aligned to the padded lengths"),
+    # --- scale policies ------------------------------------------------------------------
+    ("scale-invsqrt", "scale.hpp",
+     "return headDim > 0 ? Scalar(1) / std::sqrt(Scalar(headDim)) : Scalar(1);",
+     "return headDim > 0 ? Scalar(1) / Scalar(headDim) : Scalar(1);",
+     ["test_scale.cpp"], "1/d_k instead of 1/sqrt(d_k)"),
+    ("scale-temperature", "scale.hpp",
+     "return Scalar(1) / Scalar(m_temperature);", "return Scalar(m_temperature);",
+     ["test_scale.cpp"], "temperature multiplies"),
+    ("scale-learnable-grad", "scale.hpp",
+     "void accumulateGrad(Scalar g) { m_grad += g; }", "void accumulateGrad(Scalar g) { m_grad = g; }",
+     ["test_scale.cpp", "test_backward.cpp"], "gradient overwritten, not accumulated"),
+    ("scale-learnable-init", "scale.hpp",
+     "return m_hasValue ? S(m_value) : InvSqrtDk{}.value<S>(headDim);",
+     "return m_hasValue ? S(m_value) : S(1);",
+     ["test_scale.cpp"], "learnable starts at 1"),
+    # --- online softmax and softmax helpers ----------------------------------------------
+    ("online-alpha", "internal/online_softmax.hpp",
+     "const Acc alpha = std::exp(m(i) - mNew);", "const Acc alpha = std::exp(mNew - m(i));",
+     ["test_softmax.cpp", "test_tiled.cpp"], "rescale by the inverse factor"),
+    ("online-lse", "internal/online_softmax.hpp",
+     "lse(i) = Lse(m(i) + std::log(l(i)));", "lse(i) = Lse(m(i) + std::log1p(l(i)));",
+     ["test_tiled.cpp"], "logSumExp off"),
+    ("online-merge", "internal/online_softmax.hpp",
+     "const Acc x = std::exp(m(i) - mNew), y = std::exp(mo(i) - mNew);",
+     "const Acc x = std::exp(m(i) - mNew), y = std::exp(m(i) - mNew);",
+     ["test_tiled.cpp"], "key-split merge uses the wrong factor"),
+    ("online-cut", "internal/online_softmax.hpp",
+     "p[j] = z > kExpCut<Acc> ? std::exp(z) / l : Acc(0);", "p[j] = z > kExpCut<Acc> ? std::exp(z) * l : Acc(0);",
+     ["test_backward.cpp", "test_tiled.cpp"], "scalar tail of expDivided multiplies by l"),
+    ("online-dot-skip", "internal/online_softmax.hpp",
+     "    if (e != Acc(0)) d += e * w[j];", "    d += e * w[j];",
+     ["test_backward.cpp", "test_tiled.cpp", "fuzz"],
+     "equivalent: 0 * inf makes the row's D NaN, and a non-finite D is summed again from the final weights"),
+    ("online-finite-flag", "internal/online_softmax.hpp",
+     "  return {std::isnan(argSum) ? argSum : sum, d, !std::isnan(zero)};",
+     "  return {std::isnan(argSum) ? argSum : sum, d, true};",
+     ["test_backward.cpp", "test_tiled.cpp", "test_extreme.cpp", "fuzz"], "dP taken as finite"),
+    # --- naive forward ---------------------------------------------------------------------
+    ("naive-tau", "internal/forward_naive.hpp",
+     "    if (tau != Scalar(1)) s *= tau;\n", "    if (tau != Scalar(1)) s /= tau;\n",
+     ["test_forward.cpp"], "naive forward divides by tau"),
+    ("naive-skip-zeros", "internal/forward_naive.hpp",
+     "      if (a(i, j) != 0) out.row(i) += a(i, j) * b.row(j);", "      out.row(i) += a(i, j) * b.row(j);",
+     ["test_masks.cpp", "test_tiled.cpp"], "a hidden NaN value leaks"),
+    ("naive-dropout-scale", "internal/forward_naive.hpp",
+     "if (p(i, j) != 0) p(i, j) = dropout.keep(row0 + i, col0 + j, head) ? p(i, j) * keepScale : Scalar(0);",
+     "if (p(i, j) != 0) p(i, j) = dropout.keep(row0 + i, col0 + j, head) ? p(i, j) : Scalar(0);",
+     ["test_backward.cpp"], "dropout without 1/(1-p)"),
+    # --- tiled forward and decoding ------------------------------------------------------
+    ("tiled-fold", "internal/forward_tiled.hpp",
+     "    const bool fold = std::abs(tau) <= Acc(1);", "    const bool fold = true;",
+     ["test_extreme.cpp", "fuzz"], "tau folded into q whatever its size"),
+    ("tiled-unfold-scale", "internal/forward_tiled.hpp",
+     "      if (!fold) s *= tau;\n", "",
+     ["test_extreme.cpp", "test_multihead.cpp"], "a large tau never applied"),
+    ("tiled-head-scale", "internal/forward_tiled.hpp",
+     "v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,",
+     "v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.kvHead), itemMask(mask, u), dropout,",
+     ["test_multihead.cpp"], "per-head tau read from the kv head (#21's survivor)"),
+    ("tiled-sizes", "internal/forward_tiled.hpp",
+     "  TileSizes t = d <= 32 ? TileSizes{128, 512} : TileSizes{256, 256};",
+     "  TileSizes t = d <= 32 ? TileSizes{128, 512} : TileSizes{256, 255};",
+     ["test_tiled.cpp"], "equivalent: another key tile size changes only rounding"),
+    ("tiled-half-tail", "internal/forward_tiled.hpp",
+     "    for (int c = 0; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);",
+     "    for (int c = 1; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);",
+     ["test_tiled.cpp"], "fused half decoding drops a column in its tail (compiled only with --native)"),
+    ("tiled-skip-zeros", "internal/forward_tiled.hpp",
+     "        addProductSkippingZeros(s, vt, acc);  // a GEMM unless this v tile holds NaN or inf",
+     "        acc.noalias() += s * vt;",
+     ["test_tiled.cpp", "test_masks.cpp"], "hidden NaN values reach the output"),
+    # --- GQA, batches, layouts -----------------------------------------------------------
+    ("gqa-mapping", "layout.hpp",
+     "f(ItemHead{b, h, h / heads.groupSize(), q0, nQ, k0, nK, qLen, kLen});",
+     "f(ItemHead{b, h, h % heads.keyValue, q0, nQ, k0, nK, qLen, kLen});",
+     ["test_multihead.cpp"], "query head h reads kv head h % H_kv"),
+    ("dropout-keep", "dropout.hpp",
+     "return double(r[0]) >= p * 4294967296.0;", "return double(r[0]) > p * 4096.0;",
+     ["test_backward.cpp"], "keep rate wrong"),
+    ("dropout-scale", "dropout.hpp",
+     "double keepScale() const { return 1.0 / (1.0 - p); }", "double keepScale() const { return 1.0 - p; }",
+     ["test_backward.cpp"], "inverted dropout scale"),
+    # --- naive backward ------------------------------------------------------------------
+    ("bnaive-softcap-slope", "internal/backward_naive.hpp",
+     "          g *= Scalar(1) - t * t;", "          g *= Scalar(1) + t * t;",
+     ["test_backward.cpp"], "softcap derivative sign"),
+    ("bnaive-dtau-tau", "internal/backward_naive.hpp",
+     "        g *= tau;\n", "",
+     ["test_backward.cpp"], "dq, dk not scaled by tau"),
+    ("bnaive-hidden-select", "internal/backward_naive.hpp",
+     "      dp = (p == Scalar(0)).select(Scalar(0), p * (dp - d));", "      dp = p * (dp - d);",
+     ["test_backward.cpp", "test_extreme.cpp"], "0 * inf at hidden entries"),
+    ("bnaive-centre", "internal/backward_naive.hpp",
+     "        dtau += double(g * (factor - s.centre(i)));", "        dtau += double(g * factor);",
+     ["test_backward.cpp"], "dtau not centred (accuracy at large logits)"),
+    # --- tiled backward ------------------------------------------------------------------
+    ("btiled-alpha", "internal/backward_tiled.hpp",
+     "      const Scalar alpha = std::exp(m(r) - mNew);", "      const Scalar alpha = Scalar(1);",
+     ["test_backward.cpp", "test_tiled.cpp"], "running sums not rescaled"),
+    ("btiled-d-norm", "internal/backward_tiled.hpp",
+     "      if (l(r) > Scalar(0)) d(r) /= l(r);", "",
+     ["test_backward.cpp", "test_tiled.cpp"], "D not normalised"),
+    ("btiled-softcap-slope", "internal/backward_tiled.hpp",
+     "      t.array() = Scalar(1) - t.array() * t.array();", "      t.array() = Scalar(1) + t.array() * t.array();",
+     ["test_backward.cpp"], "softcap derivative sign (tiled)"),
+    ("btiled-softcap-nonfinite", "internal/backward_tiled.hpp",
+     "        dp = (dp.array() == Scalar(0)).select(Scalar(0), dp.array() * t.array()).matrix();",
+     "        dp = (dp.array() == Scalar(0)).select(Scalar(0), -dp.array() * t.array()).matrix();",
+     ["test_backward.cpp", "fuzz"], "softcap derivative sign in the non-finite path (#21's survivor)"),
+    ("btiled-dtau-tau", "internal/backward_tiled.hpp",
+     "      dtau /= double(h.tau);", "      dtau /= 2 * double(h.tau);",
+     ["test_backward.cpp", "fuzz"], "dL/dtau off by a factor"),
+    ("btiled-scale-dx", "internal/backward_tiled.hpp",
+     "    if (h.tau != Scalar(1)) dp *= h.tau;  // 0 stays 0: a hidden entry stays skippable",
+     "    if (h.tau != Scalar(1)) dp /= h.tau;  // 0 stays 0: a hidden entry stays skippable",
+     ["test_backward.cpp"], "dX = dY / tau"),
+    ("btiled-head-scale", "internal/backward_tiled.hpp",
+     "        headScale(scale, u.head).template value<Scalar>(dims.dK),",
+     "        headScale(scale, u.kvHead).template value<Scalar>(dims.dK),",
+     ["test_multihead.cpp", "test_backward.cpp"], "per-head tau read from the kv head (backward)"),
+    ("btiled-dp-finite", "internal/backward_tiled.hpp",
+     "hd.finite && sc.dpFinite[size_t(j0 / tile.k)], x, y,", "hd.finite, x, y,",
+     ["test_extreme.cpp", "test_backward.cpp", "fuzz"], "an overflowing dP taken as finite"),
+    ("btiled-unfold", "internal/backward_tiled.hpp",
+     "    if (!foldsScale(h.tau)) x *= h.tau;\n", "",
+     ["test_extreme.cpp", "test_backward.cpp", "test_multihead.cpp"], "a large tau never applied (backward)"),
+    # --- diagnostics ---------------------------------------------------------------------
+    ("diag-saturated", "diagnostics.hpp",
+     "inline constexpr double kSaturated = 0.99;", "inline constexpr double kSaturated = 0.9;",
+     ["test_diagnostics.cpp"], "saturation threshold (#21's survivor)"),
+    ("diag-uniform", "diagnostics.hpp",
+     "inline constexpr double kNearUniform = 0.99;", "inline constexpr double kNearUniform = 0.98;",
+     ["test_diagnostics.cpp"], "near-uniform threshold"),
+    ("diag-entropy-fraction", "diagnostics.hpp",
+     "    fraction.push_back(r.entropy / std::log(double(r.visible)));",
+     "    fraction.push_back(r.entropy / std::log(double(r.visible + 1)));",
+     ["test_diagnostics.cpp"], "entropy fraction over n + 1"),
+    ("diag-std", "diagnostics.hpp",
+     "    d.logitStd = std::sqrt(std::max(0.0, sumSq / n - d.logitMean * d.logitMean));",
+     "    d.logitStd = std::sqrt(std::max(0.0, sumSq / n));",
+     ["test_diagnostics.cpp"], "std without the mean"),
+    ("diag-pmax", "internal/diagnostics_rows.hpp",
+     "  r.pMax = std::exp(r.logitMax - lse);", "  r.pMax = std::exp(r.logitMin - lse);",
+     ["test_diagnostics.cpp"], "p_max from the smallest logit"),
+    ("diag-overflow", "internal/diagnostics_rows.hpp",
+     "    r.overFp32 = Index((s.array() > Scalar(fp32Limit)).count());",
+     "    r.overFp32 = Index((s.array() > Scalar(fp16Limit)).count());",
+     ["test_diagnostics.cpp"], "fp32 overflow counted at the fp16 limit"),
+]
+
+
+def run(cmd, cwd=None, timeout=None):
+    return subprocess.run(cmd, cwd=cwd, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def check_patterns():
+    ok = True
+    for mid, header, old, new, tests, note in MUTANTS:
+        text = open(os.path.join(ROOT, "include", "sdpa", header)).read()
+        n = text.count(old)
+        if n != 1:
+            print(f"{mid}: pattern occurs {n} times in {header}")
+            ok = False
+        for t in tests:
+            if t != "fuzz" and not os.path.exists(os.path.join(ROOT, "tests", t)):
+                print(f"{mid}: no tests/{t}")
+                ok = False
+    return ok
+
+
+NATIVE = False
+
+
+def flags():
+    eigen = "/usr/include/eigen3"
+    return ["-std=c++17", "-O1", "-fopenmp", "-w", f"-I{eigen}"] + (["-march=native"] if NATIVE else [])
+
+
+def catch_main(work):
+    """Catch2 2.x's main compiled once (Debian 12 ships 2.13 with catch.hpp)."""
+    obj = os.path.join(work, "catch_main.o")
+    if not os.path.exists(obj):
+        r = run(["g++", *flags(), f"-I{ROOT}/tests", "-c", os.path.join(ROOT, "tests/support/main.cpp"), "-o", obj])
+        if r.returncode != 0:
+            sys.exit("cannot compile tests/support/main.cpp:\n" + r.stdout)
+    return obj
+
+
+def one(mutant, work, main_obj, timeout):
+    mid, header, old, new, tests, note = mutant
+    d = os.path.join(work, mid)
+    shutil.rmtree(d, ignore_errors=True)
+    for sub in ("include", "tests", "experiments"):
+        shutil.copytree(os.path.join(ROOT, sub), os.path.join(d, sub))
+    path = os.path.join(d, "include", "sdpa", header)
+    text = open(path).read()
+    assert text.count(old) == 1, mid
+    open(path, "w").write(text.replace(old, new))
+    inc = [f"-I{d}/include", f"-I{d}/tests", f"-I{d}/experiments"]
+    start = time.time()
+    outcome, detail = "survived", ""
+    units = [t for t in tests if t != "fuzz"]
+    if units:
+        exe = os.path.join(d, "unit")
+        r = run(["g++", *flags(), *inc, *[os.path.join(d, "tests", t) for t in units], main_obj, "-o", exe,
+                 "-fopenmp"])
+        if r.returncode != 0:
+            return mid, "stillborn", r.stdout[-400:], time.time() - start
+        try:
+            r = run([exe], cwd=d, timeout=timeout)
+            if r.returncode != 0:
+                outcome = "killed"
+                detail = next((l for l in r.stdout.splitlines() if "FAILED" in l or "with expansion" in l), "")
+        except subprocess.TimeoutExpired:
+            outcome, detail = "killed", "timeout"
+    if outcome == "survived" and "fuzz" in tests:
+        exe = os.path.join(d, "replay")
+        r = run(["g++", *flags(), *inc, os.path.join(d, "tests/fuzz/fuzz_attention.cpp"),
+                 os.path.join(d, "tests/fuzz/replay_main.cpp"), "-o", exe])
+        if r.returncode != 0:
+            return mid, "stillborn", r.stdout[-400:], time.time() - start
+        try:
+            r = run([exe, os.path.join(d, "tests/fuzz/corpus")], cwd=d, timeout=timeout,)
+            if r.returncode != 0:
+                outcome = "killed"
+                detail = "fuzz corpus: " + next((l for l in r.stdout.splitlines() if "fuzz_attention:" in l), "")
+        except subprocess.TimeoutExpired:
+            outcome, detail = "killed", "fuzz corpus: timeout"
+    shutil.rmtree(d, ignore_errors=True)
+    return mid, outcome, detail, time.time() - start
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only mutants whose id contains this")
+    ap.add_argument("-j", type=int, default=2, help="mutants built and run at once")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per test run")
+    ap.add_argument("--check", action="store_true", help="only check the patterns")
+    ap.add_argument("--work", default=os.path.join(ROOT, "build", "mutate"))
+    ap.add_argument("--report", metavar="LOG", help="only rebuild the report from a run's printed lines")
+    ap.add_argument("--native", action="store_true",
+                    help="compile with -march=native (the ISA-specific paths; the fused-half mutant needs it)")
+    args = ap.parse_args()
+    global NATIVE
+    NATIVE = args.native
+    if not check_patterns():
+        sys.exit(1)
+    if args.check:
+        print(f"{len(MUTANTS)} mutants, every pattern unique")
+        return
+    os.makedirs(args.work, exist_ok=True)
+    chosen = [m for m in MUTANTS if args.k in m[0]]
+    results = {}
+    if args.report:
+        for line in open(args.report):
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] in ("killed", "survived", "stillborn"):
+                results[parts[1]] = (parts[0], "", float(parts[2]))
+        chosen = [m for m in chosen if m[0] in results]
+    else:
+        main_obj = catch_main(args.work)
+        with cf.ThreadPoolExecutor(max_workers=args.j) as pool:
+            futures = [pool.submit(one, m, args.work, main_obj, args.timeout) for m in chosen]
+            for f in cf.as_completed(futures):
+                mid, outcome, detail, secs = f.result()
+                results[mid] = (outcome, detail, secs)
+                print(f"{outcome:10s} {mid:28s} {secs:6.0f} s  {detail[:100]}", flush=True)
+    equivalent = {m[0] for m in chosen if m[5].startswith("equivalent")}
+    counted = [m for m in chosen if m[0] not in equivalent and results[m[0]][0] != "stillborn"]
+    killed = [m for m in counted if results[m[0]][0] == "killed"]
+    score = 100.0 * len(killed) / max(1, len(counted))
+    lines = [f"# Mutation run {datetime.date.today()}: {len(killed)} of {len(counted)} killed ({score:.0f}%)", "",
+             "| mutant | header | outcome | what it breaks |", "|---|---|---|---|"]
+    for m in chosen:
+        outcome = results[m[0]][0] + (" (equivalent)" if m[0] in equivalent else "")
+        lines.append(f"| {m[0]} | {m[1]} | {outcome} | {m[5]} |")
+    report = os.path.join(args.work, "report.md")
+    open(report, "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines[:1]))
+    print(f"report: {report}")
+    survivors = [m[0] for m in counted if results[m[0]][0] == "survived"]
+    if survivors:
+        print("survived: " + ", ".join(survivors))
+
+
+if __name__ == "__main__":
+    main()
