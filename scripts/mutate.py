@@ -115,7 +115,7 @@ MUTANTS = [
      ["test_backward.cpp"], "dropout without 1/(1-p)"),
     # --- tiled forward and decoding ------------------------------------------------------
     ("tiled-fold", "internal/forward_tiled.hpp",
-     "    const bool fold = std::abs(tau) <= Acc(1);", "    const bool fold = true;",
+     "    const bool fold = foldsScaleIntoQuery(tau);", "    const bool fold = true;",
      ["test_extreme.cpp", "fuzz"], "tau folded into q whatever its size"),
     ("tiled-unfold-scale", "internal/forward_tiled.hpp",
      "      if (!fold) s *= tau;\n", "",
@@ -192,7 +192,7 @@ MUTANTS = [
      "hd.finite && sc.dpFinite[size_t(j0 / tile.k)], x, y,", "hd.finite, x, y,",
      ["test_extreme.cpp", "test_backward.cpp", "fuzz"], "an overflowing dP taken as finite"),
     ("btiled-unfold", "internal/backward_tiled.hpp",
-     "    if (!foldsScale(h.tau)) x *= h.tau;\n", "",
+     "    if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;\n", "",
      ["test_extreme.cpp", "test_backward.cpp", "test_multihead.cpp"], "a large tau never applied (backward)"),
     # --- diagnostics ---------------------------------------------------------------------
     ("diag-saturated", "diagnostics.hpp",

@@ -46,11 +46,9 @@ struct backward_tiled_impl {
     return scratch;
   }
 
-  /// Whether the scale is folded into q (|tau| <= 1: no product of (tau q) k^T exceeds q k^T's).
-  static bool foldsScale(Scalar tau) { return std::abs(tau) <= Scalar(1); }
-
-  /// Everything a tile needs besides its position. q, qs (tau q or q: foldsScale), k, v, dO are the head's
-  /// blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no zero-skipping).
+  /// Everything a tile needs besides its position. q, qs (tau q or q: foldsScaleIntoQuery), k, v,
+  /// dO are the head's blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no
+  /// zero-skipping).
   template <typename Mask>
   struct Head {
     ConstRef<Scalar> q, qs, k, v, dO;
@@ -88,7 +86,7 @@ struct backward_tiled_impl {
   static void logits(const Head<Mask>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
                      TileMap& y) {
     x.noalias() = h.qs.middleRows(i0, bq) * h.k.middleRows(j0, bk).transpose();
-    if (!foldsScale(h.tau)) x *= h.tau;
+    if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;
     if (h.keepY()) y = x;
     if (kind == mask::Tile::Partial) h.mask.apply(x, i0, j0, h.q.rows(), h.k.rows(), h.head);
   }
@@ -402,7 +400,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   for (Index h = 0; h < H; ++h) {
     const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
     qs.middleCols(h * dims.dK, dims.dK) =
-        (Impl::foldsScale(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
+        (foldsScaleIntoQuery(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
   }
   // qs rather than q: 0 q is NaN where q is inf.
   const bool finite =

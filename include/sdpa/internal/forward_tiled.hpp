@@ -148,6 +148,15 @@ inline TileSizes tileSizes(const kernel::Tiled& kernel, Index dK, Index dV) {
 
 /// Backward block sizes: five products and three b_q x b_k buffers per tile; measured with
 /// bench_backward's BM_BackwardBlocks at n = 2048, flat within 5% from 64 x 128 up.
+/// Whether the tiled kernels fold the scale into the query block, (tau q) k^T, or multiply the
+/// logits after the product: folded only for |tau| <= 1, where no product or partial sum of
+/// (tau q) k^T is larger than the plain computation's q k^T (tau q may overflow where tau (q.k)
+/// does not). The forward and the backward must agree, so that they compute the same logits.
+template <typename Acc>
+bool foldsScaleIntoQuery(Acc tau) {
+  return std::abs(tau) <= Acc(1);
+}
+
 inline TileSizes backwardTileSizes(const kernel::Tiled& kernel, Index, Index) {
   TileSizes t{128, 256};
   if (kernel.blockQ > 0) t.q = kernel.blockQ;
@@ -213,14 +222,12 @@ struct forward_tiled_impl {
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
-    // costs one b_q x d_k multiply and None none. Only for |tau| <= 1: then no product or partial
-    // sum of (tau q) k^T is larger than the plain computation's q k^T; a larger tau multiplies the
-    // logits after the product instead (tau q may overflow where tau (q.k) does not). Copied
-    // column by column: q is column-major (columns n_q apart), and a walk in qs's row order
-    // touched a page per element (3%).
+    // costs one b_q x d_k multiply and None none; only where foldsScaleIntoQuery, else the logits
+    // are multiplied after the product. Copied column by column: q is column-major (columns n_q
+    // apart), and a walk in qs's row order touched a page per element (3%).
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
     const Acc tau = scale.template value<Acc>(dK);
-    const bool fold = std::abs(tau) <= Acc(1);
+    const bool fold = foldsScaleIntoQuery(tau);
     for (Index c = 0; c < dK; ++c) {
       const auto column = q.col(c).segment(i0, bq).template cast<Acc>();
       if (tau == Acc(1) || !fold)
