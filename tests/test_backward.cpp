@@ -550,6 +550,43 @@ TEST_CASE("float gradients where logits are large: every gradient within the Fla
   for (const auto& c : cases) checkLargeLogits(c);
 }
 
+TEST_CASE("dL/dtau is summed centred: a per-row shift of the logits does not enter its float error",
+          "[backward][accuracy]") {
+  // dL/dtau = sum_ij dL_ij X_ij. Shifting row i's logits by c_i changes nothing in exact
+  // arithmetic (softmax ignores it and each row of dL sums to 0), but in float the rounding left
+  // in a row's sum of dL is multiplied by c_i unless the sum is centred on the row's maximum
+  // (NUMERICS.md, backward 3). q's last column holds c_i = C (1 + i / 10), k's is 1; unscaled.
+  // The plain float computation sums uncentred: its error grows with C, the kernels' stays at
+  // that of the logits' rounding. Measured (3 seeds x C = 256, 1024, 4096, summed): each kernel's
+  // error 0.01-0.08 of the plain one's; summed uncentred, the naive kernel's is 0.3-1.2 of it.
+  // A quarter leaves a margin of three on each side.
+  using sdpa_test::referenceBackward;
+  const Index nQ = 8, nK = 200, dK = 65, dV = 16;
+  constexpr int kKernels = 4;
+  double err[kKernels] = {}, plainErr = 0;
+  for (const double C : {256.0, 1024.0, 4096.0})
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+      Mat<float> q = randn<float>(nQ, dK, 700 + 10 * seed), k = randn<float>(nK, dK, 701 + 10 * seed);
+      const Mat<float> v = randn<float>(nK, dV, 702 + 10 * seed), dO = randn<float>(nQ, dV, 703 + 10 * seed);
+      for (Index i = 0; i < nQ; ++i) q(i, dK - 1) = float(C * (1 + 0.1 * double(i)));
+      k.col(dK - 1).setOnes();
+      const double gold = double(referenceBackward<double>(q, k, v, dO, 1.0L).dscale);
+      plainErr += std::abs(double(referenceBackward<float>(q, k, v, dO, 1.0L).dscale) - gold);
+      const auto run = [&](const auto& kern) {
+        const auto fwd = sdpa::attentionForward(kern, q, k, v, scale::Constant{1.0});
+        return double(sdpa::attentionBackward(kern, q, k, v, fwd, dO, scale::Constant{1.0}).dscale);
+      };
+      const double got[kKernels] = {run(sdpa::kernel::Tiled{}), run(sdpa::kernel::Tiled{3, 5}),
+                                    run(sdpa::kernel::Tiled{32, 64}), run(sdpa::kernel::Naive{})};
+      for (int i = 0; i < kKernels; ++i) err[i] += std::abs(got[i] - gold);
+    }
+  const char* kernels[kKernels] = {"Tiled{}", "Tiled{3, 5}", "Tiled{32, 64}", "Naive"};
+  for (int i = 0; i < kKernels; ++i) {
+    INFO(kernels[i] << ": dscale error " << err[i] << ", plain float (uncentred) " << plainErr);
+    CHECK(err[i] <= 0.25 * plainErr);
+  }
+}
+
 TEMPLATE_TEST_CASE("hidden NaN and inf: every kernel's non-finite path, with every logit transform, dscale included",
                    "[backward][mask]", float, double) {
   // Inputs with NaN or inf at positions the mask hides send every kernel through its non-finite
