@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Mutation testing of sdpa's headers: does the test suite notice a plausible one-line defect?
 
-Each mutant below replaces one exact, unique piece of a header under include/sdpa with a
-plausible mistake (a flipped comparison, an off-by-one, the wrong head, a dropped term). For each
-mutant the script copies the repository's include/, tests/ and experiments/ to a scratch
-directory, applies the change, compiles the test files that cover that code (g++ -O1, no unity
-build) and runs them; the mutant is *killed* when the build's tests fail (or time out), and
+Each mutant below replaces one exact, unique piece of a header under include/sdpa (or of the
+command-line tool, tools/) with a plausible mistake (a flipped comparison, an off-by-one, the
+wrong head, a dropped term). For each mutant the script copies the repository's sources to a
+scratch directory, applies the change, compiles the test files that cover that code (g++ -O1, no
+unity build) and runs them (for the CLI: configures the copy with CMake, builds sdpa_check and
+runs the `cli:` tests of ctest); the mutant is *killed* when the build's tests fail (or time out), and
 *survives* when they pass. Mutants marked `equivalent` change no observable result; they are kept
 with the argument and left out of the score. A mutant whose change does not compile is
 *stillborn* (also left out): fix the list.
@@ -29,7 +30,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (id, header, original text, mutated text, test files that cover it, note)
-# A test file list may name "fuzz": the harness replays the committed corpus too.
+# A test file list may name "fuzz": the harness replays the committed corpus too; "cli": the
+# copy is configured with CMake and its `cli:` tests run (ctest -R '^cli:'). A header path that
+# starts with "tools/" is relative to the repository, any other to include/sdpa.
 MUTANTS = [
     # --- masks ---------------------------------------------------------------------------
     ("mask-causal-strict", "mask.hpp",
@@ -194,6 +197,10 @@ MUTANTS = [
     ("btiled-unfold", "internal/backward_tiled.hpp",
      "    if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;\n", "",
      ["test_extreme.cpp", "test_backward.cpp", "test_multihead.cpp"], "a large tau never applied (backward)"),
+    ("btiled-centre", "internal/backward_tiled.hpp",
+     "dtau += double(centredDotSkippingZeros(dp.row(r).data(), factor.row(r).data(), bk, rows.centre(i0 + r)));",
+     "dtau += double(centredDotSkippingZeros(dp.row(r).data(), factor.row(r).data(), bk, Scalar(0)));",
+     ["test_backward.cpp"], "dtau not centred (tiled; accuracy at large logits)"),
     # --- diagnostics ---------------------------------------------------------------------
     ("diag-saturated", "diagnostics.hpp",
      "inline constexpr double kSaturated = 0.99;", "inline constexpr double kSaturated = 0.9;",
@@ -216,6 +223,30 @@ MUTANTS = [
      "    r.overFp32 = Index((s.array() > Scalar(fp32Limit)).count());",
      "    r.overFp32 = Index((s.array() > Scalar(fp16Limit)).count());",
      ["test_diagnostics.cpp"], "fp32 overflow counted at the fp16 limit"),
+    # --- command-line tool (tools/) ------------------------------------------------------
+    ("cli-causal-align", "tools/sdpa_check.cpp",
+     "causal == \"upper-left\" ? Align::UpperLeft : Align::LowerRight", "causal == \"upper-left\" ? Align::LowerRight : Align::UpperLeft",
+     ["cli"], "--causal alignments swapped"),
+    ("cli-temperature", "tools/sdpa_check.cpp",
+     "d = run(q, k, heads, sdpa::scale::Temperature{std::stod(o.scale.substr(2))}, o.causal);",
+     "d = run(q, k, heads, sdpa::scale::Constant{std::stod(o.scale.substr(2))}, o.causal);",
+     ["cli"], "--scale T=<temperature> taken as tau"),
+    ("cli-scale-none", "tools/sdpa_check.cpp",
+     "d = run(q, k, heads, sdpa::scale::None{}, o.causal);", "d = run(q, k, heads, sdpa::scale::InvSqrtDk{}, o.causal);",
+     ["cli"], "--scale none ignored"),
+    ("cli-kv-heads", "tools/sdpa_check.cpp",
+     "o.kvHeads = colon == std::string::npos ? o.heads : std::stol(v.substr(colon + 1));",
+     "o.kvHeads = colon == std::string::npos ? 1 : std::stol(v.substr(colon + 1));",
+     ["cli"], "--heads H means H:1 (MQA) instead of H:H"),
+    ("cli-exit-code", "tools/sdpa_check.cpp",
+     "    return 2;\n", "    return 0;\n",
+     ["cli"], "an error exits 0"),
+    ("cli-npy-fortran", "tools/npy.hpp",
+     "  if (!fortran || a.shape.size() == 1) {", "  if (true) {",
+     ["test_npy.cpp"], "Fortran-order arrays read as C order"),
+    ("cli-npy-pack", "tools/npy.hpp",
+     "m(i, hh * d + j) = a.data[size_t((hh * n + i) * d + j)];", "m(i, hh * d + j) = a.data[size_t((i * h + hh) * d + j)];",
+     ["test_npy.cpp", "cli"], "(H, n, d) heads packed from the wrong strides"),
 ]
 
 
@@ -227,19 +258,23 @@ def run(cmd, cwd=None, timeout=None):
 def check_patterns():
     ok = True
     for mid, header, old, new, tests, note in MUTANTS:
-        text = open(os.path.join(ROOT, "include", "sdpa", header)).read()
+        text = open(source(ROOT, header)).read()
         n = text.count(old)
         if n != 1:
             print(f"{mid}: pattern occurs {n} times in {header}")
             ok = False
         for t in tests:
-            if t != "fuzz" and not os.path.exists(os.path.join(ROOT, "tests", t)):
+            if t not in ("fuzz", "cli") and not os.path.exists(os.path.join(ROOT, "tests", t)):
                 print(f"{mid}: no tests/{t}")
                 ok = False
     return ok
 
 
 NATIVE = False
+
+
+def source(root, header):
+    return os.path.join(root, header) if header.startswith("tools/") else os.path.join(root, "include", "sdpa", header)
 
 
 def flags():
@@ -261,16 +296,18 @@ def one(mutant, work, main_obj, timeout):
     mid, header, old, new, tests, note = mutant
     d = os.path.join(work, mid)
     shutil.rmtree(d, ignore_errors=True)
-    for sub in ("include", "tests", "experiments"):
-        shutil.copytree(os.path.join(ROOT, sub), os.path.join(d, sub))
-    path = os.path.join(d, "include", "sdpa", header)
+    for sub in ("include", "tests", "experiments", "tools", "examples", "cmake"):
+        if os.path.isdir(os.path.join(ROOT, sub)):
+            shutil.copytree(os.path.join(ROOT, sub), os.path.join(d, sub))
+    shutil.copy(os.path.join(ROOT, "CMakeLists.txt"), d)
+    path = source(d, header)
     text = open(path).read()
     assert text.count(old) == 1, mid
     open(path, "w").write(text.replace(old, new))
-    inc = [f"-I{d}/include", f"-I{d}/tests", f"-I{d}/experiments"]
+    inc = [f"-I{d}/include", f"-I{d}/tests", f"-I{d}/experiments", f"-I{d}/tools"]
     start = time.time()
     outcome, detail = "survived", ""
-    units = [t for t in tests if t != "fuzz"]
+    units = [t for t in tests if t not in ("fuzz", "cli")]
     if units:
         exe = os.path.join(d, "unit")
         r = run(["g++", *flags(), *inc, *[os.path.join(d, "tests", t) for t in units], main_obj, "-o", exe,
@@ -284,6 +321,22 @@ def one(mutant, work, main_obj, timeout):
                 detail = next((l for l in r.stdout.splitlines() if "FAILED" in l or "with expansion" in l), "")
         except subprocess.TimeoutExpired:
             outcome, detail = "killed", "timeout"
+    if outcome == "survived" and "cli" in tests:
+        b = os.path.join(d, "build")
+        r = run(["cmake", "-S", d, "-B", b, "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_CXX_FLAGS=-O1 -w",
+                 "-DSDPA_BUILD_TESTS=ON", "-DSDPA_BUILD_EXAMPLES=ON", "-DSDPA_BUILD_BENCHMARKS=OFF",
+                 "-DSDPA_FUZZ_REPLAY=OFF", "-DSDPA_INSTALL=OFF"] + (["-DSDPA_NATIVE=ON"] if NATIVE else []))
+        if r.returncode == 0:
+            r = run(["cmake", "--build", b, "--target", "sdpa_check", "write_npy_fixtures"])
+        if r.returncode != 0:
+            return mid, "stillborn", r.stdout[-400:], time.time() - start
+        try:
+            r = run(["ctest", "--test-dir", b, "-R", "^cli:", "--output-on-failure"], timeout=timeout)
+            if r.returncode != 0:
+                outcome = "killed"
+                detail = "cli: " + next((l for l in r.stdout.splitlines() if "***Failed" in l or "Error" in l), "")
+        except subprocess.TimeoutExpired:
+            outcome, detail = "killed", "cli: timeout"
     if outcome == "survived" and "fuzz" in tests:
         exe = os.path.join(d, "replay")
         r = run(["g++", *flags(), *inc, os.path.join(d, "tests/fuzz/fuzz_attention.cpp"),
