@@ -192,7 +192,7 @@ MUTANTS = [
      "        headScale(scale, u.kvHead).template value<Scalar>(dims.dK),",
      ["test_multihead.cpp", "test_backward.cpp"], "per-head tau read from the kv head (backward)"),
     ("btiled-dp-finite", "internal/backward_tiled.hpp",
-     "hd.finite && sc.dpFinite[size_t(j0 / tile.k)], x, y,", "hd.finite, x, y,",
+     "hd.finite && sc.dpSafe[size_t(j0 / tile.k)], x, y,", "hd.finite, x, y,",
      ["test_extreme.cpp", "test_backward.cpp", "fuzz"], "an overflowing dP taken as finite"),
     ("btiled-unfold", "internal/backward_tiled.hpp",
      "    if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;\n", "",

@@ -209,6 +209,37 @@ TEST_CASE("backward: products that overflow at hidden positions do not leak into
   }
 }
 
+TEST_CASE("backward: finite dP - D that overflows at a key of weight 0 does not make NaN",
+          "[extreme][backward]") {
+  // Unscaled logits 200 and 0: weights exactly 1 and 0 in float. dP = dO v^T = (-2e38, 2e38) are
+  // finite, D = sum_j P_j dP_j = -2e38, so dP - D at key 1 is 4e38 = inf, and its weight 0 times
+  // inf would make dL, and every gradient it enters, NaN. The plain computation's dL there is 0
+  // (found by tests/fuzz: crash-0cb1ed82...). Several queries and keys, so that tiles hold both.
+  const Index n = 6;
+  Mat<float> q = Mat<float>::Ones(n, 1), k = Mat<float>::Zero(n, 1), v(n, 2);
+  for (Index j = 0; j < n; ++j) {
+    k(j, 0) = j % 3 == 0 ? 200.0f : 0.0f;
+    v(j, 0) = j % 3 == 0 ? -2e38f : 2e38f;
+    v(j, 1) = float(j);
+  }
+  const Mat<float> dOut = Mat<float>::Constant(n, 2, 1.0f);
+  const sdpa::scale::None unscaled;
+  const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, unscaled);
+  const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, unscaled);
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    const auto fwd = sdpa::attentionForward(kern, q, k, v, unscaled);
+    const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dOut, unscaled);
+    // Keys 0 and 3 share the weight: dL = P (dP - D) = 0 at every key (dP is the same at both).
+    CHECK(g.dq.isZero(0));
+    CHECK(g.dk.isZero(0));
+    CHECK(std::isfinite(g.dscale));
+    CHECK(g.dscale == 0);
+    CHECK(g.dv.allFinite());
+    CHECK(maxAbsDiff(g.dv, gN.dv) <= 1e-6);
+  });
+}
+
 TEST_CASE("a scale above 1 multiplies the logits, not q: |q| near the largest float with tiny keys",
           "[extreme][tiled]") {
   // tau = 5.6, q_c = 3e38 against k_c = 1e-40 (subnormal): q_c k_c = 3e-2 and every logit is

@@ -38,7 +38,7 @@ struct backward_tiled_impl {
   struct Scratch {
     Buffer<Scalar> x, y, t, p, pDropped, dp, g;
     Buffer<Scalar> cacheX, cacheY, cacheDp;  // a query block's L, Y and dP against every key
-    std::vector<char> dpFinite;              // per key tile of the block: dP holds no NaN or inf
+    std::vector<char> dpSafe;                // per key tile of the block: every 4 dP is finite
     Matrix<Scalar> dk, dv, dbias;            // this thread's share of the shared gradients
   };
   static Scratch& threadScratch() {
@@ -162,9 +162,9 @@ struct backward_tiled_impl {
     d.setZero();
     yc.setZero();
     const bool keepY = h.keepY();
-    sc.dpFinite.assign(size_t((h.k.rows() + tileK - 1) / tileK), 1);
-    // One row of one tile: folds the tile into the row's running sums; returns whether its dP is
-    // all finite, or -1 when the row was not summed (its dP not looked at).
+    sc.dpSafe.assign(size_t((h.k.rows() + tileK - 1) / tileK), 1);
+    // One row of one tile: folds the tile into the row's running sums; returns whether its dP has
+    // headroom (every 4 dP finite), or -1 when the row was not summed (its dP not looked at).
     const auto absorb = [&](Index r, Index bk, TileMap& x, TileMap& y, TileMap& dp) -> int {
       if (std::isnan(m(r))) return -1;
       auto row = x.row(r).array();
@@ -191,7 +191,7 @@ struct backward_tiled_impl {
       const auto s = expShiftedSumDot(x.row(r).data(), dp.row(r).data(), bk, mNew);
       if (std::isnan(s.sum)) {
         m(r) = std::numeric_limits<Scalar>::quiet_NaN();
-        return s.wFinite;
+        return s.wHeadroom;
       }
       // alpha = 0 (the first visible tile, or a new maximum so far above that the earlier
       // weights are exactly 0): the earlier sums are dropped, not multiplied by 0 (a dP of inf
@@ -200,18 +200,18 @@ struct backward_tiled_impl {
       l(r) = alpha == Scalar(0) ? s.sum : alpha * l(r) + s.sum;
       d(r) = alpha == Scalar(0) ? s.dot : alpha * d(r) + s.dot;
       m(r) = mNew;
-      return s.wFinite;
+      return s.wHeadroom;
     };
     forEachTile(h, dropout, i0, bq, tileK, tiles, true, sc,
                 [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
-                  // Whether the tile's dP is all finite, for the second pass (which may then use plain
-                  // products): gathered here, where dP is in cache anyway.
-                  bool dpFinite = true;
+                  // Whether every 4 dP of the tile is finite, for the second pass (which may then use
+                  // plain products and form dP - D everywhere): gathered here, where dP is in cache.
+                  bool safe = true;
                   for (Index r = 0; r < bq; ++r) {
-                    const int rowFinite = absorb(r, bk, x, y, dp);
-                    dpFinite = dpFinite && (rowFinite < 0 ? allFiniteVectorised(dp.row(r)) : rowFinite == 1);
+                    const int rowSafe = absorb(r, bk, x, y, dp);
+                    safe = safe && (rowSafe < 0 ? allWithHeadroom(dp.row(r)) : rowSafe == 1);
                   }
-                  sc.dpFinite[size_t(j0 / tileK)] = dpFinite;
+                  sc.dpSafe[size_t(j0 / tileK)] = safe;
                 });
     for (Index r = 0; r < bq; ++r) {
       if (l(r) > Scalar(0)) d(r) /= l(r);
@@ -246,8 +246,9 @@ struct backward_tiled_impl {
   /**
    * One tile: query rows [i0, i0 + bq) x keys [j0, j0 + bk). Accumulates dq rows (bq x d_k),
    * dk and dv rows (bk x d_*) and, if dbias is not null, the bias gradient; returns the tile's
-   * dL/dtau. finite: the head's inputs and this tile's dP are all finite (the first pass's
-   * finding). Each step quotes the forward line it differentiates.
+   * dL/dtau. finite: the head's inputs are all finite and this tile's dP has headroom (every 4
+   * dP finite: the first pass's finding), so that plain products may read them and dP - D cannot
+   * overflow at a key of weight 0. Each step quotes the forward line it differentiates.
    */
   template <typename Mask, typename DQ, typename DK, typename DV>
   static double tile(const Head<Mask>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
@@ -481,7 +482,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, false, sc,
                         [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
                           dscaleT[size_t(t)](u.head) += Impl::tile(
-                              hd, rows, dropout, un.i0, bq, j0, bk, hd.finite && sc.dpFinite[size_t(j0 / tile.k)], x, y,
+                              hd, rows, dropout, un.i0, bq, j0, bk, hd.finite && sc.dpSafe[size_t(j0 / tile.k)], x, y,
                               dp, dqRows, dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
                               dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
                         });

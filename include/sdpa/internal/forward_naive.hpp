@@ -31,6 +31,18 @@ bool allFiniteVectorised(const Eigen::MatrixBase<Derived>& x) {
 }
 
 /**
+ * Every 4 x_ij is finite: |x_ij| <= max / 4 (to rounding), no inf or NaN; one vectorised pass as
+ * allFiniteVectorised. The backward's dP - D (|D| <= max_j |dP_ij|, D being a weighted mean of
+ * the row's dP) cannot then overflow: a finite dP near the largest float minus a D of the other
+ * sign would be inf, and 0 * inf = NaN at a key of weight 0.
+ */
+template <typename Derived>
+bool allWithHeadroom(const Eigen::MatrixBase<Derived>& x) {
+  using Scalar = typename Derived::Scalar;
+  return !std::isnan((x.array() * Scalar(4) * Scalar(0)).sum());
+}
+
+/**
  * out += a b, where a zero entry of a never reads its row of b. Attention weights are exactly 0
  * at hidden positions, and the value (or key, or query) row there must have no effect even if
  * it holds NaN or inf, which a GEMM (0 * NaN = NaN) would not honour; so a non-finite b takes a

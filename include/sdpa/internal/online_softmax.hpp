@@ -71,21 +71,21 @@ void expDivided(const Acc* x, Acc* p, Index n, Acc m, Acc l) {
 template <typename Acc>
 struct ExpSumDot {
   Acc sum, dot;
-  bool wFinite;  ///< every w[j] is finite (whatever its weight)
+  bool wHeadroom;  ///< every 4 w[j] is finite (whatever its weight): |w| <= max / 4, no inf or NaN
 };
 
 /**
  * expShiftedSum without storing the weights, also returning dot = sum_j e_j w[j], e_j =
  * exp(x[j] - m), over the j whose weight is not 0 (w may be inf or NaN elsewhere), and whether
- * every w[j] is finite (the backward's dP: a GEMM may read it only then). sum is NaN if some x[j]
- * is NaN.
+ * every 4 w[j] is finite (the backward's dP: a GEMM may read it, and dP - D may be formed at
+ * every key, only then; see allWithHeadroom). sum is NaN if some x[j] is NaN.
  */
 template <typename Acc>
 ExpSumDot<Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<Acc>::type;
   constexpr Index W = ei::packet_traits<Acc>::size;
-  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>);
+  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>), four = ei::pset1<Packet>(Acc(4));
   Packet total = ei::pset1<Packet>(Acc(0)), args = total, dot = total, wZero = total;
   Index j = 0;
   for (; j + W <= n; j += W) {
@@ -94,7 +94,7 @@ ExpSumDot<Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
     const Packet pw = ei::ploadu<Packet>(w + j);
     total = ei::padd(total, e);
     args = ei::padd(args, z);
-    wZero = ei::padd(wZero, ei::pmul(pw, ei::pzero(pw)));  // NaN iff some w is not finite
+    wZero = ei::padd(wZero, ei::pmul(ei::pmul(pw, four), ei::pzero(pw)));  // NaN iff some 4 w is not finite
     // A weight that is 0 (hidden, or exp underflowed) adds nothing, not 0 * w.
     dot = ei::padd(dot, ei::pandnot(ei::pmul(e, pw), ei::pcmp_eq(e, ei::pzero(e))));
   }
@@ -104,7 +104,7 @@ ExpSumDot<Acc> expShiftedSumDot(const Acc* x, const Acc* w, Index n, Acc m) {
     const Acc e = z > kExpCut<Acc> ? std::exp(z) : Acc(0);
     sum += e;
     if (e != Acc(0)) d += e * w[j];
-    zero += w[j] * Acc(0);
+    zero += w[j] * Acc(4) * Acc(0);
     argSum += z;
   }
   return {std::isnan(argSum) ? argSum : sum, d, !std::isnan(zero)};
