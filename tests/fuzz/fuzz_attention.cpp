@@ -457,6 +457,23 @@ void runForward(const char* what, const Kernel& kern, const Case& c) {
       });
 }
 
+/// Whether some visible product q_ic k_jc or tau q_ic k_jc is beyond half the largest T (or not
+/// finite). The logit is then not determined by its inputs in T: whether it comes out finite, inf
+/// or NaN depends on the order of the sum and on FMA contraction (6e38 - 3.3e38 is finite in one
+/// fma, inf as a product then a sum), which differ between the naive and the tiled kernel and
+/// between builds. The forward excuses such a row of the tiled kernel (Rounding::largestTerm);
+/// the backward, whose dk, dv and dL/dtau mix every row, excuses the case.
+template <typename T>
+bool productsNearOverflow(const Case& c, long double tau, const VisibleFn& vis) {
+  const double half = 0.5 * double(std::numeric_limits<T>::max()), widen = std::max(1.0, std::abs(double(tau)));
+  for (Index i = 0; i < c.nQ; ++i)
+    for (Index j = 0; j < c.nK; ++j)
+      if (vis(i, j))
+        for (Index d = 0; d < c.dK; ++d)
+          if (!(std::abs(c.q(i, d) * c.k(j, d)) * widen <= half)) return true;
+  return false;
+}
+
 /// Elementwise bounds on the gradients' rounding errors in T (first order, see Rounding): the
 /// weights' errors and the errors of dP = dO v^T and D = rowsum(dO * O) enter dS = P (dP - D),
 /// which enters dq = tau dS k, dk = tau dS^T q, dv = P^T dO with the sums' own rounding.
@@ -621,6 +638,7 @@ void runBackward(const Case& c) {
         const auto fwdN = sdpa::attentionForward(sdpa::kernel::Naive{}, q, k, v, scale, mask);
         const auto gN = sdpa::attentionBackward(sdpa::kernel::Naive{}, q, k, v, fwdN, dOut, scale, mask);
         if (!(gN.dq.allFinite() && gN.dk.allFinite() && gN.dv.allFinite() && std::isfinite(gN.dscale))) return;
+        if (productsNearOverflow<T>(cd, tauOf(c), vis)) return;
         const sdpa::kernel::Tiled kern{c.blockQ, c.blockK};
         const auto fwdT = sdpa::attentionForward(kern, q, k, v, scale, mask);
         const auto gT = sdpa::attentionBackward(kern, q, k, v, fwdT, dOut, scale, mask);
