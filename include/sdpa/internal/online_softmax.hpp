@@ -67,6 +67,46 @@ void expDivided(const Acc* x, Acc* p, Index n, Acc m, Acc l) {
   }
 }
 
+/**
+ * The backward's second pass over one row of a tile, in one sweep, for a row with a finite
+ * maximum m, sum l and D = d, whose every 4 dp[j] is finite (the first pass's finding: dp - d
+ * cannot overflow):
+ *   p[j]  = exp(x[j] - m) / l (expDivided's weights; 0 at or below the cut),
+ *   dL_j  = p[j] (dp[j] - d),              returned: sum_j dL_j (f[j] - c) over the j with dL_j != 0
+ *   dp[j] = dL_j tau                       (f may be -inf where the weight is 0: a hidden key)
+ * The same values as expDivided, then p (dp - d), centredDotSkippingZeros and dp *= tau, without
+ * reading and writing the row four times.
+ */
+template <typename Acc>
+Acc softmaxGradientRow(const Acc* x, const Acc* f, Acc* p, Acc* dp, Index n, Acc m, Acc l, Acc d, Acc c, Acc tau) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Acc>::type;
+  constexpr Index W = ei::packet_traits<Acc>::size;
+  const Packet pm = ei::pset1<Packet>(m), pcut = ei::pset1<Packet>(kExpCut<Acc>), pl = ei::pset1<Packet>(l),
+               pd = ei::pset1<Packet>(d), pc = ei::pset1<Packet>(c), ptau = ei::pset1<Packet>(tau),
+               zero = ei::pset1<Packet>(Acc(0));
+  Packet total = zero;
+  Index j = 0;
+  for (; j + W <= n; j += W) {
+    const Packet z = ei::psub(ei::ploadu<Packet>(x + j), pm);
+    const Packet w = ei::pdiv(ei::pand(ei::pexp(z), ei::pcmp_lt(pcut, z)), pl);
+    ei::pstoreu(p + j, w);
+    const Packet dl = ei::pmul(w, ei::psub(ei::ploadu<Packet>(dp + j), pd));
+    const Packet term = ei::pmul(dl, ei::psub(ei::ploadu<Packet>(f + j), pc));
+    total = ei::padd(total, ei::pandnot(term, ei::pcmp_eq(dl, zero)));
+    ei::pstoreu(dp + j, ei::pmul(dl, ptau));
+  }
+  Acc sum = ei::predux(total);
+  for (; j < n; ++j) {
+    const Acc z = x[j] - m;
+    p[j] = z > kExpCut<Acc> ? std::exp(z) / l : Acc(0);
+    const Acc dl = p[j] * (dp[j] - d);
+    if (dl != Acc(0)) sum += dl * (f[j] - c);
+    dp[j] = dl * tau;
+  }
+  return sum;
+}
+
 /// What expShiftedSumDot returns.
 template <typename Acc>
 struct ExpSumDot {
