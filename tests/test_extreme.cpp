@@ -209,8 +209,7 @@ TEST_CASE("backward: products that overflow at hidden positions do not leak into
   }
 }
 
-TEST_CASE("backward: finite dP - D that overflows at a key of weight 0 does not make NaN",
-          "[extreme][backward]") {
+TEST_CASE("backward: finite dP - D that overflows at a key of weight 0 does not make NaN", "[extreme][backward]") {
   // Unscaled logits 200 and 0: weights exactly 1 and 0 in float. dP = dO v^T = (-2e38, 2e38) are
   // finite, D = sum_j P_j dP_j = -2e38, so dP - D at key 1 is 4e38 = inf, and its weight 0 times
   // inf would make dL, and every gradient it enters, NaN. The plain computation's dL there is 0
