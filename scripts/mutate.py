@@ -184,7 +184,7 @@ MUTANTS = [
      "      dtau /= double(h.tau);", "      dtau /= 2 * double(h.tau);",
      ["test_backward.cpp", "fuzz"], "dL/dtau off by a factor"),
     ("btiled-scale-dx", "internal/backward_tiled.hpp",
-     "        if (!rowDone[size_t(r)]) dp.row(r) *= h.tau;", "        if (!rowDone[size_t(r)]) dp.row(r) /= h.tau;",
+     "        if (!done(r)) dp.row(r) *= h.tau;", "        if (!done(r)) dp.row(r) /= h.tau;",
      ["test_backward.cpp"], "dX = dY / tau (the rows not done in one sweep: softcap, bias gradient, non-finite)"),
     ("btiled-fused-tau", "internal/online_softmax.hpp",
      "    ei::pstoreu(dp + j, ei::pmul(dl, ptau));", "    ei::pstoreu(dp + j, dl);",

@@ -39,7 +39,6 @@ struct backward_tiled_impl {
     Buffer<Scalar> x, y, t, p, pDropped, dp, g;
     Buffer<Scalar> cacheX, cacheY, cacheDp;  // a query block's L, Y and dP against every key
     std::vector<char> dpSafe;                // per key tile of the block: every 4 dP is finite
-    std::vector<char> rowDone;               // per row of a tile: its gradient done in one sweep
     Matrix<Scalar> dk, dv, dbias;            // this thread's share of the shared gradients
   };
   static Scratch& threadScratch() {
@@ -270,18 +269,16 @@ struct backward_tiled_impl {
     // sum and dX = tau dL below, spelled out step by step for the other cases (a non-finite
     // input or dP, a softcap, a bias gradient, tau = 0) and rows without a finite maximum.
     const bool fused = finite && h.cap == Scalar(0) && h.tau != Scalar(0) && !dbias;
-    std::vector<char>& rowDone = sc.rowDone;
-    rowDone.assign(size_t(bq), 0);
+    const auto done = [&](Index r) { return fused && std::isfinite(rows.max(i0 + r)); };
     double dtauFused = 0;
 
     // forward: P = softmax(L) = exp(L - m) / l; hidden entries and fully masked rows are exactly 0.
     for (Index r = 0; r < bq; ++r) {
       const RowSoftmax<Scalar> row{rows.max(i0 + r), rows.sum(i0 + r)};
-      if (fused && std::isfinite(row.max)) {
+      if (done(r)) {
         const Scalar* factor = keepY ? y.row(r).data() : x.row(r).data();
         dtauFused += double(softmaxGradientRow(x.row(r).data(), factor, p.row(r).data(), dp.row(r).data(), bk, row.max,
                                                row.sum, rows.d(i0 + r), rows.centre(i0 + r), h.tau));
-        rowDone[size_t(r)] = 1;
       } else if (std::isfinite(row.max)) {
         expDivided(x.row(r).data(), p.row(r).data(), bk, row.max, row.sum);
       } else {
@@ -304,7 +301,7 @@ struct backward_tiled_impl {
     // product overflows (|v| near the largest float). Eigen 3.4's select is scalar, so the
     // select path runs only when the inputs or this tile's dP are not all finite.
     for (Index r = 0; r < bq; ++r) {
-      if (rowDone[size_t(r)]) continue;
+      if (done(r)) continue;
       const Scalar d = rows.d(i0 + r);
       auto pr = p.row(r).array();
       if (finite)
@@ -337,7 +334,7 @@ struct backward_tiled_impl {
     if (h.tau != Scalar(0)) {
       const TileMap& factor = keepY ? y : x;
       for (Index r = 0; r < bq; ++r)
-        if (!rowDone[size_t(r)])
+        if (!done(r))
           dtau += double(centredDotSkippingZeros(dp.row(r).data(), factor.row(r).data(), bk, rows.centre(i0 + r)));
       dtau /= double(h.tau);
     }
@@ -360,7 +357,7 @@ struct backward_tiled_impl {
     }
     if (h.tau != Scalar(1))  // 0 stays 0: a hidden entry stays skippable
       for (Index r = 0; r < bq; ++r)
-        if (!rowDone[size_t(r)]) dp.row(r) *= h.tau;
+        if (!done(r)) dp.row(r) *= h.tau;
     addProduct(finite, dp, kj, dq);
     addProduct(finite, dp.transpose(), qi, dk);
     return dtau;

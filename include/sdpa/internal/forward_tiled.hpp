@@ -146,8 +146,6 @@ inline TileSizes tileSizes(const kernel::Tiled& kernel, Index dK, Index dV) {
   return t;
 }
 
-/// Backward block sizes: five products and three b_q x b_k buffers per tile; measured with
-/// bench_backward's BM_BackwardBlocks at n = 2048, flat within 5% from 64 x 128 up.
 /// Whether the tiled kernels fold the scale into the query block, (tau q) k^T, or multiply the
 /// logits after the product: folded only for |tau| <= 1, where no product or partial sum of
 /// (tau q) k^T is larger than the plain computation's q k^T (tau q may overflow where tau (q.k)
@@ -157,6 +155,8 @@ bool foldsScaleIntoQuery(Acc tau) {
   return std::abs(tau) <= Acc(1);
 }
 
+/// Backward block sizes: five products and three b_q x b_k buffers per tile; measured with
+/// bench_backward's BM_BackwardBlocks at n = 2048, flat within 5% from 64 x 128 up.
 inline TileSizes backwardTileSizes(const kernel::Tiled& kernel, Index, Index) {
   TileSizes t{128, 256};
   if (kernel.blockQ > 0) t.q = kernel.blockQ;
