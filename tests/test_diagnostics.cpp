@@ -90,7 +90,10 @@ TEST_CASE("each statistic equals a direct computation on the materialised P", "[
   // lse - sum p s: absolute error a few ulps of the largest logit (|s| < 40 here).
   CHECK(std::abs(h.entropy.min - entropy.front()) <= 1e-13);
   CHECK(std::abs(h.entropy.max - entropy.back()) <= 1e-13);
-  CHECK(std::abs(h.entropy.median - entropy[entropy.size() / 2]) <= 1e-13);
+  // The usual median: the middle value, or the mean of the two middle values of an even count.
+  const size_t mid = entropy.size() / 2;
+  const double medianEntropy = entropy.size() % 2 ? entropy[mid] : 0.5 * (entropy[mid - 1] + entropy[mid]);
+  CHECK(std::abs(h.entropy.median - medianEntropy) <= 1e-13);
   std::sort(jac.begin(), jac.end());
   CHECK(h.jacobianNorm.min == Approx(jac.front()).epsilon(1e-12));  // relative, even for the smallest
   // Variance check: d_k Var(q) Var(k) from the entries of q and k.
@@ -152,8 +155,10 @@ TEST_CASE("known cases: uniform attention, one-hot attention, identical heads  [
     CHECK(h.maxWeight.min == 1.0);
     CHECK(h.saturatedFraction == 1.0);
     CHECK(h.overflowFp32 == 4);  // 1000 > 88.72 in every row
-    CHECK(anyContains(d.verdicts, "saturated"));
-    CHECK(anyContains(d.verdicts, "exceed 88.72"));
+    CHECK(h.logitGap.min == 1000);
+    CHECK(h.underflowFraction == 1.0);  // exp(-1000) is below fp32's smallest normal
+    CHECK(anyContains(d.verdicts, "every other weight underflows in fp32"));
+    CHECK(anyContains(d.verdicts, "note: 4 logits exceed 88.72"));
   }
   SECTION("identical heads have similarity 1; independent ones much less") {
     const Mat<double> qh = randn<double>(16, 8, 2), k = randn<double>(24, 8, 3);
@@ -180,7 +185,12 @@ TEST_CASE("the seed's d_k = 64 case: unscaled is flagged, scaled is healthy  [se
   CHECK(anyContains(unscaled.verdicts, "saturated"));
   CHECK(anyContains(unscaled.verdicts, "exceed 11.09"));
   CHECK(unscaled.heads[0].logitStd == Approx(8.0).epsilon(0.08));
-  CHECK(scaled.verdicts == std::vector<std::string>{"healthy: no saturation, no overflow, logit scale near 1"});
+  CHECK(unscaled.stage == sdpa::ModelStage::Init);  // independent Gaussian q and k: C3's premise
+  CHECK(unscaled.warnings() >= 2);
+  CHECK(scaled.healthy());
+  CHECK(scaled.findings.empty());
+  CHECK(scaled.verdicts ==
+        std::vector<std::string>{"healthy: no warning at the init stage (fp32, max-subtracted softmax)"});
   CHECK(scaled.heads[0].logitStd == Approx(1.0).epsilon(0.08));
   // A learnable tau started at 1 is flagged (C17); one at 1/sqrt(d_k) is not.
   CHECK(anyContains(sdpa::diagnose(q, k, scale::Learnable<float>{1.0f}).verdicts, "risks collapse"));
@@ -234,4 +244,102 @@ TEST_CASE("the saturation and near-uniform thresholds, with rows on both sides o
   const auto mid = sdpa::diagnose(qMid, k, scale::Constant{1.0}).heads.at(0);
   CHECK(mid.saturatedFraction == 0.0);
   CHECK(mid.uniformFraction == 0.0);
+}
+
+TEST_CASE("the stage: auto reads C3's premise from the data and says how it decided  [seed C3]", "[diagnostics]") {
+  // Independent isotropic q and k: the centred variance ratio is 1 within sqrt(2 / (n_q n_k)).
+  const Mat<double> q = randn<double>(64, 16, 1), k = randn<double>(80, 16, 2);
+  const auto independent = sdpa::diagnose(q, k);
+  CHECK(independent.stage == sdpa::ModelStage::Init);
+  CHECK_THAT(independent.stageReason, Contains("auto:") && Contains("C3's premise"));
+  CHECK(std::abs(independent.heads[0].varianceRatioCentred - 1) < 4 * std::sqrt(2.0 / (64 * 80)));
+  // q and k stretched along the same two directions (what training does to a head): the ratio is
+  // d <Gq, Gk> / (tr Gq tr Gk) = 16 (2 * 16^2 + 14) / 46^2 = 3.98 in expectation.
+  Mat<double> qa = q, ka = k;
+  qa.leftCols(2) *= 4;
+  ka.leftCols(2) *= 4;
+  const auto aligned = sdpa::diagnose(qa, ka);
+  CHECK(aligned.stage == sdpa::ModelStage::Trained);
+  CHECK(aligned.heads[0].varianceRatioCentred == Approx(3.98).epsilon(0.15));
+  CHECK_THAT(aligned.stageReason, Contains("1 of 1 heads break C3's premise"));
+  // Given, not decided.
+  sdpa::DiagnoseOptions trained;
+  trained.stage = sdpa::ModelStage::Trained;
+  const auto given = sdpa::diagnose(q, k, scale::InvSqrtDk{}, mask::None{}, trained);
+  CHECK(given.stage == sdpa::ModelStage::Trained);
+  CHECK(given.stageReason == "set by the caller");
+  const std::string json = given.toJson();
+  CHECK_THAT(json,
+             Contains("\"stage\":\"trained\"") && Contains("\"level\":\"healthy\"") && Contains("\"centred_ratio\":"));
+}
+
+TEST_CASE("a sharp head is a note when trained, a warning at init; a positional head is named  [seed C5]",
+          "[diagnostics]") {
+  // Row i puts logit 10 on key i - 1 (row 0 on key 0), 0 elsewhere: p_max = e^10 / (e^10 + 7).
+  const Index n = 8;
+  Mat<double> q = Mat<double>::Zero(n, n), k = Mat<double>::Identity(n, n);
+  for (Index i = 0; i < n; ++i) q(i, std::max<Index>(0, i - 1)) = 10;
+  for (const auto stage : {sdpa::ModelStage::Init, sdpa::ModelStage::Trained}) {
+    sdpa::DiagnoseOptions o;
+    o.stage = stage;
+    const auto d = sdpa::diagnose(q, k, scale::None{}, mask::None{}, o);
+    INFO(d.toString());
+    const auto& h = d.heads.at(0);
+    CHECK(h.saturatedFraction == 1.0);
+    CHECK(h.modeOffset == -1);
+    CHECK(h.modeOffsetShare == Approx(7.0 / 8).epsilon(1e-15));
+    CHECK(h.logitGap.max == 10);
+    if (stage == sdpa::ModelStage::Init) {
+      CHECK(anyContains(d.verdicts, "warning: 100% of rows are saturated"));
+    } else {
+      CHECK(d.healthy());
+      CHECK(anyContains(d.verdicts, "note: a sharp head"));
+      CHECK(anyContains(d.verdicts, "offset -1 for 88% of rows (a positional head)"));
+    }
+  }
+}
+
+TEST_CASE(
+    "precision and softmax form: underflow and overflow are warnings only where they happen  [seed C5, C13, "
+    "C15]",
+    "[diagnostics]") {
+  // Two keys, logits x and 0 in every row (d_k = 1, q = x, k = (1, 0)).
+  const auto run = [](double x, sdpa::Precision p, sdpa::SoftmaxForm f) {
+    sdpa::DiagnoseOptions o;
+    o.stage = sdpa::ModelStage::Trained;
+    o.precision = p;
+    o.softmax = f;
+    Mat<double> q = Mat<double>::Constant(4, 1, x), k(2, 1);
+    k << 1, 0;
+    return sdpa::diagnose(q, k, scale::None{}, mask::None{}, o);
+  };
+  using P = sdpa::Precision;
+  using F = sdpa::SoftmaxForm;
+  // A lead of 12: exp(-12) = 6e-6 is below fp16's smallest normal (6.1e-5), not fp32's.
+  const auto fp16 = run(12, P::Fp16, F::MaxSubtracted), fp32 = run(12, P::Fp32, F::MaxSubtracted);
+  CHECK(fp16.heads[0].underflowFraction == 1.0);
+  CHECK(anyContains(fp16.verdicts,
+                    "warning: 100% of rows lead their second logit by more than 9.7: every other "
+                    "weight underflows in fp16"));
+  CHECK(fp32.heads[0].underflowFraction == 0.0);
+  CHECK(fp32.healthy());
+  CHECK(anyContains(fp32.verdicts, "note: 4 logits (50.00%) exceed 11.09"));
+  // Logits above 11.09: a warning only for a plain fp16 softmax.
+  CHECK(run(9.5, P::Fp16, F::Plain).healthy());  // 9.5 < 11.09, and exp(-9.5) > 2^-14
+  CHECK(anyContains(run(11.5, P::Fp16, F::Plain).verdicts, "warning: 4 logits (50.00%) exceed 11.09"));
+  CHECK(run(11.5, P::Fp32, F::Plain).healthy());
+  CHECK(run(11.5, P::Fp16, F::MaxSubtracted).warnings() == 1);  // the underflow, not the overflow
+  // Above 88.72: a plain softmax overflows in every precision.
+  CHECK(anyContains(run(90, P::Fp32, F::Plain).verdicts, "warning: 4 logits exceed 88.72"));
+  CHECK(anyContains(run(90, P::Fp32, F::MaxSubtracted).verdicts, "note: 4 logits exceed 88.72"));
+}
+
+TEST_CASE("quantiles interpolate as NumPy's percentile; the median of an even count is the usual one",
+          "[diagnostics]") {
+  const sdpa::Quantiles q = sdpa::internal::quantiles({4, 1, 3, 2});
+  CHECK(q.median == 2.5);
+  CHECK(q.p05 == Approx(1.15).epsilon(1e-15));
+  CHECK(q.p95 == Approx(3.85).epsilon(1e-15));
+  CHECK(q.mean == 2.5);
+  CHECK(sdpa::internal::quantiles({5, 1, 3}).median == 3);
 }

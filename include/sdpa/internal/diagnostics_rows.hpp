@@ -18,12 +18,21 @@ struct RowStats {
   double rawSum = 0, rawSumSq = 0;  ///< of q.k before scale, softcap and bias
   Index overFp16 = 0, overFp32 = 0;
   double lse = 0, pMax = 0, entropy = 0, jacobianNorm = 0;
+  /// The key of the largest logit, and its lead over the second largest (+inf with one visible
+  /// key): the off-max weights are at most exp(-gap), so the gap says in which precision the
+  /// row's softmax Jacobian underflows.
+  Index argmax = 0;
+  double gap = 0;
 };
 
-/// Per-head inputs of the summaries.
+/// Per-head inputs of the summaries. centredRatio is d_k <Gq, Gk>_F / (tr Gq tr Gk), with Gq, Gk
+/// the d_k x d_k Gram matrices of q and k centred on their column means: the variance of the
+/// centred logits over every (query, key) pair against d_k Var(q) Var(k), which is 1 when the
+/// components of q and k are independent with equal variance (seed C3's premise).
 struct HeadInputs {
   Index headDim = 0, keys = 0;
   double tau = 0, varQ = 0, varK = 0;
+  double centredRatio = std::numeric_limits<double>::quiet_NaN();
 };
 
 /**
@@ -52,6 +61,12 @@ RowStats rowStats(const RowS& s, const RowF& finite, const RowP& p, double lse, 
   }
   r.lse = lse;
   r.pMax = std::exp(r.logitMax - lse);
+  s.maxCoeff(&r.argmax);
+  const Index tail = s.size() - r.argmax - 1;
+  double second = -std::numeric_limits<double>::infinity();
+  if (r.argmax > 0) second = double(s.head(r.argmax).maxCoeff());
+  if (tail > 0) second = std::max(second, double(s.tail(tail).maxCoeff()));
+  r.gap = r.logitMax - second;
   r.entropy = std::max(0.0, lse - double(p.dot(finite)));
   r.jacobianNorm = std::sqrt(jacobianNormSquared(p, r.pMax));
   return r;
@@ -65,7 +80,15 @@ HeadInputs headInputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
     const double mean = m.template cast<double>().mean();
     return (m.template cast<double>().array() - mean).square().mean();
   };
-  return HeadInputs{q.cols(), k.rows(), tau, variance(q), variance(k)};
+  HeadInputs in{q.cols(), k.rows(), tau, variance(q), variance(k)};
+  if (q.rows() > 1 && k.rows() > 1) {
+    const Eigen::MatrixXd qc = q.template cast<double>().rowwise() - q.template cast<double>().colwise().mean();
+    const Eigen::MatrixXd kc = k.template cast<double>().rowwise() - k.template cast<double>().colwise().mean();
+    const Eigen::MatrixXd gq = qc.transpose() * qc, gk = kc.transpose() * kc;
+    const double norm = gq.trace() * gk.trace();
+    if (norm > 0) in.centredRatio = double(q.cols()) * gq.cwiseProduct(gk).sum() / norm;
+  }
+  return in;
 }
 
 }  // namespace sdpa::internal
