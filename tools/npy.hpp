@@ -1,6 +1,6 @@
 // A small reader and writer for NumPy .npy files: the subset PyTorch and NumPy users dump in one
 // line (`np.save("q.npy", q.detach().float().numpy())`): little-endian float32 or float64, C or
-// Fortran order, 1-D to 3-D. Anything else is refused with a clear std::runtime_error. No .npy
+// Fortran order, 1-D to 4-D. Anything else is refused with a clear std::runtime_error. No .npy
 // reader is packaged for Debian 12 (xtensor's needs the whole of xtensor), hence this one.
 // Format: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 #pragma once
@@ -80,8 +80,8 @@ inline NpyArray parseNpy(const std::string& bytes, const std::string& path) {
       ++i;
     }
   }
-  if (a.shape.empty() || a.shape.size() > 3)
-    fail(path, "unsupported shape of " + std::to_string(a.shape.size()) + " dimensions: need 1 to 3");
+  if (a.shape.empty() || a.shape.size() > 4)
+    fail(path, "unsupported shape of " + std::to_string(a.shape.size()) + " dimensions: need 1 to 4");
   size_t count = 1;
   for (const Eigen::Index d : a.shape) count *= size_t(d);
   const size_t dataOffset = offset + headerLen;
@@ -105,10 +105,13 @@ inline NpyArray parseNpy(const std::string& bytes, const std::string& path) {
   }
   // Fortran order: the first index varies fastest; reorder to C order.
   a.data.resize(count);
-  const size_t n0 = size_t(a.shape[0]), n1 = size_t(a.shape[1]), n2 = a.shape.size() == 3 ? size_t(a.shape[2]) : 1;
-  for (size_t i = 0; i < n0; ++i)
-    for (size_t j = 0; j < n1; ++j)
-      for (size_t k = 0; k < n2; ++k) a.data[(i * n1 + j) * n2 + k] = raw[i + n0 * (j + n1 * k)];
+  std::vector<size_t> dims(a.shape.begin(), a.shape.end()), index(dims.size(), 0);
+  for (size_t f = 0; f < count; ++f) {  // f walks Fortran order; c is the same element's C offset
+    size_t c = 0;
+    for (size_t d = 0; d < dims.size(); ++d) c = c * dims[d] + index[d];
+    a.data[c] = raw[f];
+    for (size_t d = 0; d < dims.size() && ++index[d] == dims[d]; ++d) index[d] = 0;
+  }
   return a;
 }
 
@@ -133,27 +136,6 @@ inline std::string npyBytes(const std::vector<Eigen::Index>& shape, const std::v
   out += header;
   out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(double));
   return out;
-}
-
-/**
- * An attention input as the packed matrix sdpa takes: 2-D (n, H d) as is, 3-D (H, n, d) (a
- * PyTorch (heads, seq, dim) tensor) with the heads laid side by side; sets heads to H for 3-D.
- */
-inline Eigen::MatrixXd packedMatrix(const NpyArray& a, const std::string& path, Eigen::Index& heads) {
-  if (a.shape.size() == 1) detail::fail(path, "a 1-D array is not a matrix of positions x features");
-  if (a.shape.size() == 2) {
-    Eigen::MatrixXd m(a.shape[0], a.shape[1]);
-    for (Eigen::Index i = 0; i < m.rows(); ++i)
-      for (Eigen::Index j = 0; j < m.cols(); ++j) m(i, j) = a.data[size_t(i * m.cols() + j)];
-    return m;
-  }
-  const Eigen::Index h = a.shape[0], n = a.shape[1], d = a.shape[2];
-  Eigen::MatrixXd m(n, h * d);
-  for (Eigen::Index hh = 0; hh < h; ++hh)
-    for (Eigen::Index i = 0; i < n; ++i)
-      for (Eigen::Index j = 0; j < d; ++j) m(i, hh * d + j) = a.data[size_t((hh * n + i) * d + j)];
-  heads = h;
-  return m;
 }
 
 }  // namespace sdpa_tools
