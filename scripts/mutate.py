@@ -225,30 +225,49 @@ MUTANTS = [
      "    r.overFp32 = Index((s.array() > Scalar(fp32Limit)).count());",
      "    r.overFp32 = Index((s.array() > Scalar(fp16Limit)).count());",
      ["test_diagnostics.cpp"], "fp32 overflow counted at the fp16 limit"),
+    ("diag-stage-band", "diagnostics.hpp",
+     "  return std::max(0.25,\n", "  return std::max(5.0,\n",
+     ["test_diagnostics.cpp", "test_real_model.cpp"], "every model read as at initialisation"),
+    ("diag-run-missing", "diagnostics.hpp",
+     "spread.size() >= 2 && medianSpread > 3 &&", "spread.size() >= 2 && medianSpread > 30 &&",
+     ["test_real_model.cpp"], "a trained model's missing scale not seen"),
+    ("diag-underflow", "diagnostics.hpp",
+     "  d.underflowFraction = countAbove(gap, underflow);", "  d.underflowFraction = countAbove(gap, 2 * underflow);",
+     ["test_diagnostics.cpp"], "underflow at twice the smallest normal's lead"),
+    ("diag-plain-fp16", "diagnostics.hpp",
+     "      if (plain && opt.precision == Precision::Fp16)", "      if (opt.precision == Precision::Fp16)",
+     ["test_diagnostics.cpp"], "fp16 overflow a warning for a max-subtracted softmax too"),
+    ("diag-median", "diagnostics.hpp",
+     "    const double h = f * double(x.size() - 1);", "    const double h = f * double(x.size());",
+     ["test_diagnostics.cpp"], "quantiles one rank high (the upper median)"),
     # --- command-line tool (tools/) ------------------------------------------------------
     ("cli-causal-align", "tools/sdpa_check.cpp",
      "causal == \"upper-left\" ? Align::UpperLeft : Align::LowerRight", "causal == \"upper-left\" ? Align::LowerRight : Align::UpperLeft",
      ["cli"], "--causal alignments swapped"),
-    ("cli-temperature", "tools/sdpa_check.cpp",
-     "d = run(q, k, heads, sdpa::scale::Temperature{std::stod(o.scale.substr(2))}, o.causal);",
-     "d = run(q, k, heads, sdpa::scale::Constant{std::stod(o.scale.substr(2))}, o.causal);",
-     ["cli"], "--scale T=<temperature> taken as tau"),
-    ("cli-scale-none", "tools/sdpa_check.cpp",
-     "d = run(q, k, heads, sdpa::scale::None{}, o.causal);", "d = run(q, k, heads, sdpa::scale::InvSqrtDk{}, o.causal);",
-     ["cli"], "--scale none ignored"),
-    ("cli-kv-heads", "tools/sdpa_check.cpp",
-     "o.kvHeads = colon == std::string::npos ? o.heads : std::stol(v.substr(colon + 1));",
-     "o.kvHeads = colon == std::string::npos ? 1 : std::stol(v.substr(colon + 1));",
-     ["cli"], "--heads H means H:1 (MQA) instead of H:H"),
+    ("cli-temperature", "tools/cli_args.hpp",
+     "      s.tau = 1 / t;", "      s.tau = t;",
+     ["test_npy.cpp", "cli"], "--scale T=<temperature> taken as tau"),
+    ("cli-scale-none", "tools/cli_args.hpp",
+     "    if (text == \"none\") {\n      s.tau = 1;", "    if (text == \"none\") {\n      s.invSqrtDk = true;",
+     ["test_npy.cpp", "cli"], "--scale none ignored"),
+    ("cli-kv-heads", "tools/cli_args.hpp",
+     "hKv = colon == std::string::npos ? h :", "hKv = colon == std::string::npos ? 1 :",
+     ["test_npy.cpp", "cli"], "--heads H means H:1 (MQA) instead of H:H"),
+    ("cli-number-prefix", "tools/cli_args.hpp",
+     "  if (end != text.c_str() + text.size()) refuse(", "  if (end == text.c_str()) refuse(",
+     ["test_npy.cpp", "cli"], "a number parsed by its prefix (0.5abc is 0.5: the defect #18 reported)"),
+    ("cli-exit-warning", "tools/sdpa_check.cpp",
+     "    return d.healthy() ? 0 : 1;", "    return 0;",
+     ["cli"], "warnings exit 0 (the check cannot gate CI)"),
     ("cli-exit-code", "tools/sdpa_check.cpp",
      "    return 2;\n", "    return 0;\n",
      ["cli"], "an error exits 0"),
     ("cli-npy-fortran", "tools/npy.hpp",
      "  if (!fortran || a.shape.size() == 1) {", "  if (true) {",
      ["test_npy.cpp"], "Fortran-order arrays read as C order"),
-    ("cli-npy-pack", "tools/npy.hpp",
-     "m(i, hh * d + j) = a.data[size_t((hh * n + i) * d + j)];", "m(i, hh * d + j) = a.data[size_t((i * h + hh) * d + j)];",
-     ["test_npy.cpp", "cli"], "(H, n, d) heads packed from the wrong strides"),
+    ("cli-npy-pack", "tools/cli_args.hpp",
+     "in.headsFirst ? a.data[size_t((h * L + i) * d + j)]", "in.headsFirst ? a.data[size_t((i * H + h) * d + j)]",
+     ["test_npy.cpp", "cli"], "(H, L, d) heads packed from the wrong strides"),
 ]
 
 
@@ -306,7 +325,7 @@ def one(mutant, work, main_obj, timeout):
     text = open(path).read()
     assert text.count(old) == 1, mid
     open(path, "w").write(text.replace(old, new))
-    inc = [f"-I{d}/include", f"-I{d}/tests", f"-I{d}/experiments", f"-I{d}/tools"]
+    inc = [f"-I{d}/include", f"-I{d}/tests", f"-I{d}/experiments", f"-I{d}/tools", f'-DSDPA_TEST_DATA="{d}/tests/data"']
     start = time.time()
     outcome, detail = "survived", ""
     units = [t for t in tests if t not in ("fuzz", "cli")]
