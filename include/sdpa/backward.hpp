@@ -136,7 +136,8 @@ void assertBackwardTypes() {
 /**
  * \brief Backward pass of one head.
  *
- * \param kernel optional first argument: `kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param kern optional first argument: `kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param q, k, v the forward pass's inputs (n_q x d_k, n_k x d_k, n_k x d_v)
  * \param fwd   the ForwardResult of attentionForward(q, k, v, scale, mask, dropout); its shapes are
  *              checked, but the softmax is recomputed from q and k (NUMERICS.md: a logSumExp
  *              rounded to float would cost float gradients their accuracy at large logits)

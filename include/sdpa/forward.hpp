@@ -128,7 +128,7 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
  *
  * \tparam OutScalar the output type: by default the input type; `float` for half or bfloat16
  *         inputs (`sdpa::attentionForward<float>(q, k, v)`).
- * \param kernel optional first argument, `sdpa::kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param kern optional first argument, `sdpa::kernel::Tiled{}` (the default) or `kernel::Naive{}`
  * \param q     queries, n_q x d_k (float, double, Eigen::half or Eigen::bfloat16)
  * \param k     keys, n_k x d_k
  * \param v     values, n_k x d_v

@@ -183,7 +183,8 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
  * \brief Multi-head forward over packed inputs (see the file comment for the layout).
  *
  * \tparam OutScalar as for attentionForward: the input type, or float for half inputs
- * \param kernel optional first argument, `kernel::Tiled{}` (default) or `kernel::Naive{}`
+ * \param kern optional first argument, `kernel::Tiled{}` (default) or `kernel::Naive{}`
+ * \param q, k, v packed heads: n_q x (H d_k), n_k x (H_kv d_k), n_k x (H_kv d_v)
  * \param heads `Heads{H}` or `Heads{H, H_kv}`
  * \param scale a shared policy (each head still uses its own d_k) or a `scale::PerHead<...>`
  * \param mask  a mask of sdpa::mask; Keep and Bias may be n_q x n_k (all heads) or
