@@ -52,9 +52,13 @@ Options parse(int argc, char** argv) {
       std::string list;
       for (const char* x : accepted) {
         if (v == x) return;
-        list += std::string(list.empty() ? "" : ", ") + x;
+        if (!list.empty()) list += ", ";
+        list += x;
       }
-      refuse(a + " '" + v + "': accepted: " + list);
+      std::string message = a + " '";
+      message += v;
+      message += "': accepted: ";
+      refuse(message + list);
     };
     if (a == "--heads") {
       std::tie(o.heads, o.kvHeads) = sdpa_tools::parseHeads(value());

@@ -397,10 +397,14 @@ inline void judge(Diagnostics& diag, bool learnable) {
         else if (h.modeKeyShare >= 0.5)
           pattern = format(", its largest weight on key %.0f for %.0f%% of rows (a sink)", double(h.modeKey),
                            100 * h.modeKeyShare);
-        add(Level::Note, who, "C5",
-            format("a sharp head: %.0f%% of rows are saturated (max weight > 0.99)", 100 * h.saturatedFraction) +
-                pattern + "; learned behaviour in a trained model, and gradients still flow in " +
-                toString(opt.precision) + " (" + lead + format(" < %.1f)", underflowGap(opt.precision)));
+        std::string text =
+            format("a sharp head: %.0f%% of rows are saturated (max weight > 0.99)", 100 * h.saturatedFraction);
+        text += pattern;
+        text += "; learned behaviour in a trained model, and gradients still flow in ";
+        text += toString(opt.precision);
+        text += " (" + lead;
+        text += format(" < %.1f)", underflowGap(opt.precision));
+        add(Level::Note, who, "C5", std::move(text));
       }
     }
     if (h.uniformFraction > 0.5)
