@@ -262,7 +262,7 @@ MUTANTS = [
     ("cli-exit-code", "tools/sdpa_check.cpp",
      "    return 2;\n", "    return 0;\n",
      ["cli"], "an error exits 0"),
-    ("cli-npy-fortran", "tools/npy.hpp",
+    ("cli-npy-fortran", "npy.hpp",
      "  if (!fortran || a.shape.size() == 1) {", "  if (true) {",
      ["test_npy.cpp"], "Fortran-order arrays read as C order"),
     ("cli-npy-pack", "tools/cli_args.hpp",

@@ -1,15 +1,16 @@
-// The .npy reader of tools/: the float32/float64 little-endian subset, C and Fortran order, and
+// sdpa/npy.hpp: the float32/float64 little-endian subset, C and Fortran order, and
 // clear errors for everything else; sdpa_check's strict arguments and input layouts.
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
+#include <sdpa/npy.hpp>
 #include "../tools/cli_args.hpp"
-#include "../tools/npy.hpp"
 #include "support/catch.hpp"
 
 using Catch::Matchers::Contains;
-using sdpa_tools::npyBytes;
-using sdpa_tools::parseNpy;
+using sdpa::npy::bytes;
+using sdpa::npy::parse;
 
 namespace {
 /// A version-1 .npy file with the given header dict and payload.
@@ -31,14 +32,14 @@ std::string payload(std::initializer_list<T> values) {
 }  // namespace
 
 TEST_CASE("npy: float64 and float32, C and Fortran order, 1-4 dimensions", "[npy]") {
-  const auto a = parseNpy(npyBytes({2, 3}, {1, 2, 3, 4, 5, 6}), "a");
+  const auto a = parse(bytes({2, 3}, {1, 2, 3, 4, 5, 6}), "a");
   CHECK(a.shape == std::vector<Eigen::Index>{2, 3});
   CHECK(a.data == std::vector<double>{1, 2, 3, 4, 5, 6});
   const auto f =
-      parseNpy(npyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", payload({1.5f, -2.f, 3.f})), "f");
+      parse(npyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", payload({1.5f, -2.f, 3.f})), "f");
   CHECK(f.data == std::vector<double>{1.5, -2, 3});
   // Fortran order: memory holds columns; the reader returns C order.
-  const auto fo = parseNpy(
+  const auto fo = parse(
       npyFile("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 3), }", payload({1.0, 4.0, 2.0, 5.0, 3.0, 6.0})),
       "fo");
   CHECK(fo.data == std::vector<double>{1, 2, 3, 4, 5, 6});
@@ -50,9 +51,24 @@ TEST_CASE("npy: float64 and float32, C and Fortran order, 1-4 dimensions", "[npy
   for (int a = 0; a < 2; ++a)
     for (int cc = 0; cc < 2; ++cc)
       for (int e = 0; e < 3; ++e) c.push_back(1000 * a + 10 * cc + e);
-  std::string bytes;
-  for (const double v : fortran) bytes.append(reinterpret_cast<const char*>(&v), sizeof v);
-  CHECK(parseNpy(npyFile("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 1, 2, 3), }", bytes), "f4").data == c);
+  std::string raw;
+  for (const double v : fortran) raw.append(reinterpret_cast<const char*>(&v), sizeof v);
+  CHECK(parse(npyFile("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 1, 2, 3), }", raw), "f4").data == c);
+}
+
+TEST_CASE("npy: write, read back, and a 2-D array as a matrix", "[npy]") {
+  const std::string path = "sdpa_test_npy_roundtrip.npy";
+  sdpa::npy::write(path, {2, 3}, {1, 2, 3, 4, 5, 6.5});
+  const sdpa::npy::Array a = sdpa::npy::read(path);
+  CHECK(a.shape == std::vector<Eigen::Index>{2, 3});
+  const Eigen::MatrixXd m = sdpa::npy::matrix(a, path);
+  CHECK(m(0, 2) == 3);
+  CHECK(m(1, 2) == 6.5);
+  CHECK_THROWS_WITH(sdpa::npy::matrix(parse(bytes({2, 1, 1}, {1, 2}), "t"), "t"),
+                    Contains("3-D array is not a matrix"));
+  CHECK_THROWS_WITH(sdpa::npy::write(path, {2, 2}, {1, 2, 3}), Contains("shape holds 4 values, data 3"));
+  CHECK_THROWS_WITH(sdpa::npy::write("/nonexistent/dir/x.npy", {1}, {1}), Contains("cannot write"));
+  std::remove(path.c_str());
 }
 
 TEST_CASE("sdpa_check inputs: every layout gives the same packed matrix, ambiguous ones are refused", "[npy][cli]") {
@@ -71,7 +87,7 @@ TEST_CASE("sdpa_check inputs: every layout gives the same packed matrix, ambiguo
       for (int j = 0; j < 2; ++j) expected(i, 2 * h + j) = 100 * h + 10 * i + j;
   const auto read = [](const std::vector<Eigen::Index>& shape, const std::vector<double>& data, Eigen::Index given,
                        Eigen::Index implied) {
-    return attentionInput(parseNpy(npyBytes(shape, data), "x.npy"), "x.npy", "q", given, implied);
+    return attentionInput(parse(bytes(shape, data), "x.npy"), "x.npy", "q", given, implied);
   };
   const auto four = read({1, 2, 3, 2}, hld, 0, 0);
   CHECK(four.packed == expected);
@@ -114,17 +130,17 @@ TEST_CASE("sdpa_check arguments parse whole or are refused by name", "[npy][cli]
 }
 
 TEST_CASE("npy: bad files give clear errors", "[npy][errors]") {
-  CHECK_THROWS_WITH(parseNpy("PK\x03\x04 not numpy at all", "x.npy"), Contains("x.npy") && Contains("bad magic"));
-  const std::string full = npyBytes({4}, {1, 2, 3, 4});
+  CHECK_THROWS_WITH(parse("PK\x03\x04 not numpy at all", "x.npy"), Contains("x.npy") && Contains("bad magic"));
+  const std::string full = bytes({4}, {1, 2, 3, 4});
   CHECK((full.size() - 32) % 64 == 0);  // header padded to a multiple of 64 bytes, then 4 doubles
-  CHECK_THROWS_WITH(parseNpy(full.substr(0, 40), "t.npy"), Contains("truncated header"));
-  CHECK_THROWS_WITH(parseNpy(full.substr(0, full.size() - 8), "t.npy"), Contains("truncated data"));
-  CHECK_THROWS_WITH(parseNpy(npyFile("{'descr': '<i4', 'fortran_order': False, 'shape': (1,), }", payload({1})), "i"),
+  CHECK_THROWS_WITH(parse(full.substr(0, 40), "t.npy"), Contains("truncated header"));
+  CHECK_THROWS_WITH(parse(full.substr(0, full.size() - 8), "t.npy"), Contains("truncated data"));
+  CHECK_THROWS_WITH(parse(npyFile("{'descr': '<i4', 'fortran_order': False, 'shape': (1,), }", payload({1})), "i"),
                     Contains("unsupported dtype '<i4'"));
-  CHECK_THROWS_WITH(parseNpy(npyFile("{'descr': '>f8', 'fortran_order': False, 'shape': (1,), }", payload({1.0})), "b"),
+  CHECK_THROWS_WITH(parse(npyFile("{'descr': '>f8', 'fortran_order': False, 'shape': (1,), }", payload({1.0})), "b"),
                     Contains("unsupported dtype '>f8'"));
   CHECK_THROWS_WITH(
-      parseNpy(npyFile("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 1, 1, 1, 1), }", payload({1.0})), "s"),
+      parse(npyFile("{'descr': '<f8', 'fortran_order': False, 'shape': (1, 1, 1, 1, 1), }", payload({1.0})), "s"),
       Contains("5 dimensions"));
-  CHECK_THROWS_WITH(sdpa_tools::readNpy("/nonexistent/q.npy"), Contains("cannot open"));
+  CHECK_THROWS_WITH(sdpa::npy::read("/nonexistent/q.npy"), Contains("cannot open"));
 }

@@ -11,8 +11,8 @@
 #include <limits>
 #include <string>
 
+#include <sdpa/npy.hpp>
 #include "../tools/cli_args.hpp"
-#include "../tools/npy.hpp"
 #include "support/cases.hpp"
 
 using namespace sdpa_test;
@@ -27,7 +27,7 @@ const std::string kData = SDPA_TEST_DATA;
 /// One fixture as a packed matrix (positions x H d) and its head count.
 sdpa_tools::AttentionInput load(const std::string& file) {
   const std::string path = kData + "/" + file;
-  return sdpa_tools::attentionInput(sdpa_tools::readNpy(path), path, "fixture", 0, 0);
+  return sdpa_tools::attentionInput(sdpa::npy::read(path), path, "fixture", 0, 0);
 }
 
 /// The heads with a warning whose text contains `what`.

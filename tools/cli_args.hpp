@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "npy.hpp"
+#include <sdpa/npy.hpp>
 
 namespace sdpa_tools {
 
@@ -126,7 +126,7 @@ struct AttentionInput {
   bool headsFirst = false;
 };
 
-inline std::string shapeString(const NpyArray& a) {
+inline std::string shapeString(const sdpa::npy::Array& a) {
   std::string s = "(";
   for (size_t i = 0; i < a.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(a.shape[i]);
   return s + ")";
@@ -140,7 +140,7 @@ inline std::string shapeString(const NpyArray& a) {
  *   Linear layer's output (batch 1) when --heads says H > 1, and refused without --heads;
  * - 4-D (1, H, L, d): PyTorch SDPA's (batch, heads, seq, dim); batch must be 1.
  */
-inline AttentionInput attentionInput(const NpyArray& a, const std::string& path, const std::string& what,
+inline AttentionInput attentionInput(const sdpa::npy::Array& a, const std::string& path, const std::string& what,
                                      Eigen::Index given, Eigen::Index implied) {
   const std::string shape = shapeString(a);
   const auto fail = [&](const std::string& why) { refuse(what + " " + path + " " + shape + ": " + why); };
@@ -195,7 +195,7 @@ inline AttentionInput attentionInput(const NpyArray& a, const std::string& path,
 }
 
 /// The head count a file states by its shape (3-D heads first, 4-D), or 0.
-inline Eigen::Index statedHeads(const NpyArray& a) {
+inline Eigen::Index statedHeads(const sdpa::npy::Array& a) {
   if (a.shape.size() == 4) return a.shape[1];
   if (a.shape.size() == 3 && a.shape[0] != 1) return a.shape[0];
   return 0;

@@ -10,7 +10,6 @@
 #include <string>
 
 #include "cli_args.hpp"
-#include "npy.hpp"
 
 namespace {
 
@@ -111,7 +110,7 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-    const sdpa_tools::NpyArray qa = sdpa_tools::readNpy(o.qPath), ka = sdpa_tools::readNpy(o.kPath);
+    const sdpa::npy::Array qa = sdpa::npy::read(o.qPath), ka = sdpa::npy::read(o.kPath);
     const sdpa_tools::AttentionInput q = sdpa_tools::attentionInput(qa, o.qPath, "q", o.heads, 0);
     // k's head count when the command line does not give it: q's for MHA (GQA needs --heads H:H_kv).
     const Eigen::Index kImplied = sdpa_tools::statedHeads(ka) ? 0 : q.heads;

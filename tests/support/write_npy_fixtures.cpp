@@ -4,7 +4,7 @@
 #include <fstream>
 #include <random>
 
-#include "../../tools/npy.hpp"
+#include <sdpa/npy.hpp>
 
 int main(int argc, char** argv) {
   if (argc != 2) return 2;
@@ -14,13 +14,13 @@ int main(int argc, char** argv) {
   std::vector<double> q(2 * 128 * 64), k(128 * 128);
   for (double& x : q) x = dist(gen);
   for (double& x : k) x = dist(gen);
-  std::ofstream(dir + "/q.npy", std::ios::binary) << sdpa_tools::npyBytes({2, 128, 64}, q);
-  std::ofstream(dir + "/k.npy", std::ios::binary) << sdpa_tools::npyBytes({128, 128}, k);
+  std::ofstream(dir + "/q.npy", std::ios::binary) << sdpa::npy::bytes({2, 128, 64}, q);
+  std::ofstream(dir + "/k.npy", std::ios::binary) << sdpa::npy::bytes({128, 128}, k);
   std::vector<double> qShort(32 * 128);
   for (int i = 0; i < 32; ++i)
     for (int h = 0; h < 2; ++h)
       for (int c = 0; c < 64; ++c) qShort[size_t(i * 128 + h * 64 + c)] = q[size_t(h * 128 * 64 + i * 64 + c)];
-  std::ofstream(dir + "/q_short.npy", std::ios::binary) << sdpa_tools::npyBytes({32, 128}, qShort);
+  std::ofstream(dir + "/q_short.npy", std::ios::binary) << sdpa::npy::bytes({32, 128}, qShort);
   std::ofstream(dir + "/bad.npy", std::ios::binary) << "not a numpy file";
   return 0;
 }

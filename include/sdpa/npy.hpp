@@ -1,9 +1,20 @@
-// A small reader and writer for NumPy .npy files: the subset PyTorch and NumPy users dump in one
-// line (`np.save("q.npy", q.detach().float().numpy())`): little-endian float32 or float64, C or
-// Fortran order, 1-D to 4-D. Anything else is refused with a clear std::runtime_error. No .npy
-// reader is packaged for Debian 12 (xtensor's needs the whole of xtensor), hence this one.
-// Format: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
-#pragma once
+/**
+ * \file sdpa/npy.hpp
+ * \brief NumPy `.npy` files in and out: the subset PyTorch and NumPy users dump in one line
+ * (`np.save("q.npy", q.detach().float().numpy())`), little-endian float32 or float64, C or
+ * Fortran order, 1 to 4 dimensions. Anything else is refused with a std::runtime_error that
+ * names the file and what is unsupported. Not part of `<sdpa/sdpa.hpp>`: include it where
+ * files are read (sdpa_check does). Format:
+ * https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
+ *
+ * ```cpp
+ * sdpa::npy::Array a = sdpa::npy::read("q.npy");   // a.shape {1, 12, 21, 32}, a.data in C order
+ * Eigen::MatrixXd m = sdpa::npy::matrix(sdpa::npy::read("k2d.npy"));   // a 2-D array
+ * sdpa::npy::write("out.npy", {2, 3}, {1, 2, 3, 4, 5, 6});              // float64, C order
+ * ```
+ */
+#ifndef SDPA_NPY_HPP
+#define SDPA_NPY_HPP
 
 #include <Eigen/Core>
 #include <cctype>
@@ -14,10 +25,10 @@
 #include <string>
 #include <vector>
 
-namespace sdpa_tools {
+namespace sdpa::npy {
 
-/// An array read from .npy: its shape and its values in C (row-major) order, as double.
-struct NpyArray {
+/// \brief An array read from .npy: its shape and its values in C (row-major) order, as double.
+struct Array {
   std::vector<Eigen::Index> shape;
   std::vector<double> data;
 };
@@ -28,8 +39,8 @@ namespace detail {
 }
 }  // namespace detail
 
-/// Parses .npy bytes (`path` only names the source in errors).
-inline NpyArray parseNpy(const std::string& bytes, const std::string& path) {
+/// \brief Parses the bytes of a .npy file (`path` only names the source in errors).
+inline Array parse(const std::string& bytes, const std::string& path) {
   using detail::fail;
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0) fail(path, "not a .npy file (bad magic string)");
   const int major = static_cast<unsigned char>(bytes[6]);
@@ -70,7 +81,7 @@ inline NpyArray parseNpy(const std::string& bytes, const std::string& path) {
   at = valueOf("shape");
   const size_t shapeEnd = header.find(')', at);
   if (header[at] != '(' || shapeEnd == std::string::npos) fail(path, "malformed 'shape'");
-  NpyArray a;
+  Array a;
   for (size_t i = at + 1; i < shapeEnd;) {
     if (std::isdigit(static_cast<unsigned char>(header[i]))) {
       size_t used = 0;
@@ -115,15 +126,26 @@ inline NpyArray parseNpy(const std::string& bytes, const std::string& path) {
   return a;
 }
 
-inline NpyArray readNpy(const std::string& path) {
+/// \brief Reads a .npy file.
+inline Array read(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) detail::fail(path, "cannot open");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return parseNpy(bytes, path);
+  return parse(bytes, path);
 }
 
-/// The .npy bytes of a float64 array in C order (for tests and tools).
-inline std::string npyBytes(const std::vector<Eigen::Index>& shape, const std::vector<double>& data) {
+/// \brief A 2-D array as a matrix (rows x columns); other ranks are refused.
+inline Eigen::MatrixXd matrix(const Array& a, const std::string& path = "array") {
+  if (a.shape.size() != 2)
+    detail::fail(path, "a " + std::to_string(a.shape.size()) + "-D array is not a matrix (need 2-D)");
+  Eigen::MatrixXd m(a.shape[0], a.shape[1]);
+  for (Eigen::Index i = 0; i < m.rows(); ++i)
+    for (Eigen::Index j = 0; j < m.cols(); ++j) m(i, j) = a.data[size_t(i * m.cols() + j)];
+  return m;
+}
+
+/// \brief The .npy bytes (format version 1) of a float64 array in C order.
+inline std::string bytes(const std::vector<Eigen::Index>& shape, const std::vector<double>& data) {
   std::string dims;
   for (const Eigen::Index d : shape) dims += std::to_string(d) + ",";
   if (shape.size() > 1) dims.pop_back();
@@ -138,4 +160,17 @@ inline std::string npyBytes(const std::vector<Eigen::Index>& shape, const std::v
   return out;
 }
 
-}  // namespace sdpa_tools
+/// \brief Writes a float64 array in C order to a .npy file; throws if the file cannot be written.
+inline void write(const std::string& path, const std::vector<Eigen::Index>& shape, const std::vector<double>& data) {
+  size_t count = 1;
+  for (const Eigen::Index d : shape) count *= size_t(d);
+  if (count != data.size())
+    detail::fail(path, "shape holds " + std::to_string(count) + " values, data " + std::to_string(data.size()));
+  std::ofstream out(path, std::ios::binary);
+  out << bytes(shape, data);
+  if (!out) detail::fail(path, "cannot write");
+}
+
+}  // namespace sdpa::npy
+
+#endif  // SDPA_NPY_HPP
