@@ -51,7 +51,7 @@ inline Array parse(const std::string& bytes, const std::string& path) {
     offset = 10;
   } else {
     if (bytes.size() < 12) fail(path, "truncated header");
-    for (int i = 0; i < 4; ++i) headerLen |= size_t(static_cast<unsigned char>(bytes[size_t(8 + i)])) << (8 * i);
+    for (int i = 0; i < 4; ++i) headerLen |= size_t(static_cast<unsigned char>(bytes[8 + size_t(i)])) << (8 * i);
     offset = 12;
   }
   if (bytes.size() < offset + headerLen) fail(path, "truncated header");
