@@ -284,11 +284,6 @@ inline double premiseBand(const HeadDiagnostics& h) {
                   4 * std::sqrt(2.0 / (double(std::max<Index>(1, h.queries)) * double(std::max<Index>(1, h.keys)))));
 }
 
-inline double median(std::vector<double> x) {
-  Quantiles q = quantiles(std::move(x));
-  return q.median;
-}
-
 /// Decides the stage for Auto (C3's premise on every head), or records the caller's.
 inline void decideStage(Diagnostics& d) {
   if (d.options.stage != ModelStage::Auto) {
@@ -345,7 +340,7 @@ inline void judge(Diagnostics& diag, bool learnable) {
   std::vector<double> spread, spreadInvSqrtDk;
   for (const HeadDiagnostics& h : diag.heads)
     if (h.visibleLogits > 0) spread.push_back(h.logitStd), spreadInvSqrtDk.push_back(h.invSqrtDkStd);
-  const double medianSpread = median(spread), medianInvSqrtDk = median(spreadInvSqrtDk);
+  const double medianSpread = quantiles(spread).median, medianInvSqrtDk = quantiles(spreadInvSqrtDk).median;
   const bool runMissingScale =
       !init && spread.size() >= 2 && medianSpread > 3 && medianInvSqrtDk > 0 && medianInvSqrtDk <= 3;
   for (const HeadDiagnostics& h : diag.heads) {

@@ -53,7 +53,7 @@ RowStats rowStats(const RowS& s, const RowF& finite, const RowP& p, double lse, 
   if (r.visible == 0) return r;
   r.logitSum = double(finite.sum());
   r.logitSumSq = double(finite.squaredNorm());
-  r.logitMax = double(s.maxCoeff());
+  r.logitMax = double(s.maxCoeff(&r.argmax));  // and where: the key the row looks at most
   r.logitMin = double(allVisible ? s.minCoeff() : (s.array() > -inf).select(s.array(), inf).minCoeff());
   if (r.logitMax > fp16Limit) {  // overflow counts only when there is something to count
     r.overFp16 = Index((s.array() > Scalar(fp16Limit)).count());
@@ -61,7 +61,6 @@ RowStats rowStats(const RowS& s, const RowF& finite, const RowP& p, double lse, 
   }
   r.lse = lse;
   r.pMax = std::exp(r.logitMax - lse);
-  s.maxCoeff(&r.argmax);
   const Index tail = s.size() - r.argmax - 1;
   double second = -std::numeric_limits<double>::infinity();
   if (r.argmax > 0) second = double(s.head(r.argmax).maxCoeff());
