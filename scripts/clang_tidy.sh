@@ -12,8 +12,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_EXPORT_COMP
 # The examples and the tool use the public API as a consumer does (forward, multi-head, backward,
 # learnable scales, diagnostics, the tiled and naive kernels); test_threads.cpp adds batched GQA,
 # decoding and the multi-head backward. (Every test file: about 10 minutes; these: about 1.)
-files=(examples/scaling_demo.cpp examples/multi_head.cpp examples/learn_temperature.cpp
-       examples/long_sequence.cpp tools/sdpa_check.cpp tests/test_threads.cpp)
+# test_threads.cpp first: it takes as long as three of the others, and xargs -P 2 starts in order.
+files=(tests/test_threads.cpp examples/scaling_demo.cpp examples/multi_head.cpp examples/learn_temperature.cpp
+       examples/long_sequence.cpp tools/sdpa_check.cpp)
 printf 'clang-tidy on %d files, headers of include/sdpa only\n' "${#files[@]}"
 tidy=$(command -v clang-tidy || command -v clang-tidy-14)
 log=$(mktemp)
