@@ -530,7 +530,12 @@ struct GradientBounds {
         const double dPError = double(c.dV + 2) * eps * rowAbsDot(dOut, i, vf, j);
         dS(i, j) = g * r.p(i, j) * (dP - dI);
         const double dL = r.p(i, j) * (dP - dI);
-        const double ddL = dp(i, j) * std::abs(dP - dI) + r.p(i, j) * (dPError + dError) + 2 * eps * std::abs(dL);
+        // The kernel's weight is P + e with |e| <= dp, so the errors of dP - D enter with P + dp, not
+        // P: second order, but a weight of 0 in the reference that rounding lifts to 0.2 (tied
+        // logits near 10^9, whose float ulp is 256) times a D moved by 10^28 (a value of 10^30 at
+        // another tied key) is the whole error (found by the fuzzer in session 8).
+        const double pKernel = std::min(1.0, r.p(i, j) + dp(i, j));
+        const double ddL = dp(i, j) * std::abs(dP - dI) + pKernel * (dPError + dError) + 2 * eps * std::abs(dL);
         ddS(i, j) = g * ddL + dg * std::abs(dL) + 2 * eps * std::abs(dS(i, j));
         // A softcap saturated to slope 0 (x = +-inf: an infinite q or k) has factor exactly 0 in
         // every kernel, the limit of x sech^2, not inf * 0.
