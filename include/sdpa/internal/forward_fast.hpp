@@ -1,0 +1,227 @@
+#ifndef SDPA_INTERNAL_FORWARD_FAST_HPP
+#define SDPA_INTERNAL_FORWARD_FAST_HPP
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "../mask.hpp"
+#include "../softmax.hpp"
+#include "cpu.hpp"
+#include "forward_naive.hpp"
+#include "macros.hpp"
+#include "parallel.hpp"
+
+#if SDPA_HAS_ISA_DISPATCH
+#include <immintrin.h>
+#endif
+
+namespace sdpa::internal {
+
+/**
+ * The fp32 prefill kernel with its own register-blocked tile products, built for AVX-512 and for
+ * AVX2 + FMA whatever the flags of the translation unit, and chosen at run time (cpu.hpp).
+ *
+ * It works on the transposed tiles: S^T = k_tile (tau q_block)^T is b_k x b_q with the query
+ * rows as vector lanes, so that
+ * - q^T's rows are the columns of a column-major q (one scaled copy per query block), and k's
+ *   and v's entries are broadcast where they lie: k and v are never packed or copied, in either
+ *   storage order (the strides say which);
+ * - the online softmax is lane-wise: a row's running maximum, sum and rescaling are one vector
+ *   operation for W rows, with no horizontal reduction;
+ * - the accumulator acc^T (d_v x b_q) is the output's transpose: a column-major output block is
+ *   written column by column.
+ * The products have no zeroing pass (the logits micro-tile starts from 0 in registers) and read
+ * q^T from L1, k or v from their streams. It takes float prefill blocks (more than a few query
+ * rows) without dropout. Special values keep the general kernel's rules: NaN or inf at hidden
+ * positions of q, k, v or a bias has no effect (hidden logits are set to -inf, a v tile that is
+ * not finite takes a zero-skipping product), and a row with a NaN or +inf visible logit (a NaN
+ * bias, an overflowing product) is NaN, the other rows of its block unaffected to the bit.
+ */
+namespace fast {
+
+#if SDPA_HAS_ISA_DISPATCH
+// GCC 12 reports -Wuninitialized / -Wmaybe-uninitialized inside its own AVX-512 intrinsics
+// (_mm512_undefined_ps in roundscale and scalef) once they are inlined: a false positive of the
+// compiler's header, as in math.hpp.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// clang-format off
+#define SDPA_FAST_NS avx512
+#define SDPA_FAST_TARGET __attribute__((target("avx512f,avx512dq,avx2,fma")))
+#define SDPA_FAST_WIDTH 16
+#define SDPA_FAST_KEYS 8
+#define SDPA_FAST_COLS 8
+#include "forward_fast_isa.inc"
+#undef SDPA_FAST_NS
+#undef SDPA_FAST_TARGET
+#undef SDPA_FAST_WIDTH
+#undef SDPA_FAST_KEYS
+#undef SDPA_FAST_COLS
+#define SDPA_FAST_NS avx2
+#define SDPA_FAST_TARGET __attribute__((target("avx2,fma")))
+#define SDPA_FAST_WIDTH 8
+#define SDPA_FAST_KEYS 6
+#define SDPA_FAST_COLS 6
+#include "forward_fast_isa.inc"
+#undef SDPA_FAST_NS
+#undef SDPA_FAST_TARGET
+#undef SDPA_FAST_WIDTH
+#undef SDPA_FAST_KEYS
+#undef SDPA_FAST_COLS
+// clang-format on
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/// Whether this build and CPU have a fast kernel (the ISA in force is not the portable one).
+inline bool available() {
+#if SDPA_HAS_ISA_DISPATCH
+  return IsaChoice::current() != Isa::Portable;
+#else
+  return false;
+#endif
+}
+
+/**
+ * Whether every logit (tau q) k^T of a head is finite whatever the order of its sums:
+ * |q_i . k_j| <= d_k max|q| max|k|, with room for the rounding. Then only a mask can bring NaN
+ * or inf into a tile, and tiles the mask leaves alone need no check.
+ */
+template <typename DQ, typename DK>
+bool logitsBounded(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, float qScale) {
+  if (q.size() == 0 || k.size() == 0) return true;
+  const double bound = double(q.cols()) * double(q.cwiseAbs().maxCoeff()) * std::abs(double(qScale)) *
+                       double(k.cwiseAbs().maxCoeff());
+  return bound < 0.25 * double(std::numeric_limits<float>::max());
+}
+
+/**
+ * values() for a v tile that holds NaN or inf: a value of weight 0 must have no effect (0 * inf
+ * is NaN), so such terms are skipped. The other terms are the micro-kernel's, in its order (a
+ * tile sum from 0 by fused multiply-adds, then added to acc): where the skipped values are
+ * finite, fma(0, v, a) = a, so the result is bitwise that of the same inputs with finite values
+ * there (a NaN at a hidden key leaves the output unchanged, to the bit).
+ */
+inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const float* v, Index vRs, Index vCs,
+                                Index dV, float* accT) {
+  for (Index c = 0; c < dV; ++c)
+    for (Index i = 0; i < bq; ++i) {
+      float a = 0.0f;
+      for (Index j = 0; j < bk; ++j) {
+        const float p = pT[j * lanes + i];
+        if (p != 0.0f) a = std::fma(p, v[j * vRs + c * vCs], a);
+      }
+      accT[c * lanes + i] += a;
+    }
+}
+
+/// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows.
+struct Scratch {
+  Buffer<float> qT, sT, accT, max, sum, top, bad;
+  static Scratch& thread() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
+};
+
+/**
+ * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v, any strides)
+ * against every key, in tiles of bk keys, written to out (bq x d_v) and lse (bq): the result of
+ * forward_tiled_impl's stream + finish on such inputs. `bounded`: no logit tau q.k can overflow
+ * (logitsBounded); if it may, the tiles are checked and a row that meets a NaN or +inf logit is
+ * NaN (the general kernel's rule).
+ */
+template <typename DQ, typename DK, typename DV, typename Mask, typename DOut, typename DLse>
+void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                  float tau, bool fold, bool bounded, const Mask& mask, Index head, Index i0, Index bq, Index bk,
+                  const Eigen::MatrixBase<DOut>& out_, const Eigen::MatrixBase<DLse>& lse_) {
+#if SDPA_HAS_ISA_DISPATCH
+  auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
+  auto& lse = const_cast<Eigen::MatrixBase<DLse>&>(lse_);
+  const Isa isa = IsaChoice::current();
+  const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
+  const Index step = isa == Isa::Avx512 ? avx512::L : avx2::L;
+  const Index lanes = (bq + step - 1) / step * step;
+  Scratch& sc = Scratch::thread();
+  // q^T (d_k x lanes), the scale folded in where foldsScaleIntoQuery says so; lanes past bq are
+  // 0 (their logits are 0, never read back).
+  float* qT = sc.qT.get(dK * lanes);
+  const float qScale = fold ? tau : 1.0f;
+  for (Index c = 0; c < dK; ++c) {
+    float* row = qT + c * lanes;
+    for (Index i = 0; i < bq; ++i) row[i] = qScale == 1.0f ? q(i0 + i, c) : qScale * q(i0 + i, c);
+    std::fill(row + bq, row + lanes, 0.0f);
+  }
+  float* sT = sc.sT.get(bk * lanes);
+  float* accT = sc.accT.get(dV * lanes);
+  float* m = sc.max.get(lanes);
+  float* l = sc.sum.get(lanes);
+  float* top = sc.top.get(lanes);
+  float* bad = sc.bad.get(lanes);
+  std::fill(bad, bad + lanes, 0.0f);
+  std::fill(accT, accT + dV * lanes, 0.0f);
+  std::fill(m, m + lanes, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + lanes, 0.0f);
+  const float* kData = k.derived().data();
+  const float* vData = v.derived().data();
+  const Index kRs = k.derived().rowStride(), kCs = k.derived().colStride();
+  const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
+  for (Index j0 = 0; j0 < nK; j0 += bk) {
+    const Index cols = std::min(bk, nK - j0);
+    const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
+    if (t == mask::Tile::Hidden) continue;
+    // The products' epilogue finds the maxima where the logits are final there: no mask to
+    // apply, no scale to multiply by.
+    const bool plain = t == mask::Tile::Visible && fold;
+    if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
+    if (isa == Isa::Avx512)
+      avx512::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, cols, sT, plain ? top : nullptr);
+    else
+      avx2::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, cols, sT, plain ? top : nullptr);
+    // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
+    Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
+    if (!fold) s *= tau;
+    if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
+    // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
+    const bool checked = !bounded || t == mask::Tile::Partial;
+    if (isa == Isa::Avx512)
+      avx512::softmaxTile(sT, lanes, cols, plain ? top : nullptr, checked, m, l, accT, dV, bad);
+    else
+      avx2::softmaxTile(sT, lanes, cols, plain ? top : nullptr, checked, m, l, accT, dV, bad);
+    if (allFiniteVectorised(v.middleRows(j0, cols))) {
+      if (isa == Isa::Avx512)
+        avx512::values(sT, lanes, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+      else
+        avx2::values(sT, lanes, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+    } else {
+      valuesSkippingZeros(sT, lanes, bq, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+    }
+  }
+  // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.
+  constexpr float minusInf = -std::numeric_limits<float>::infinity();
+  float* r = sc.sum.get(lanes);  // l, turned into 1 / l in place
+  // A row that met a NaN or +inf logit is NaN, as the naive kernel's rule says.
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  for (Index i = 0; i < bq; ++i) {
+    lse(i) = bad[i] != 0.0f ? nan : m[i] == minusInf ? minusInf : m[i] + std::log(l[i]);
+    r[i] = bad[i] != 0.0f ? nan : m[i] == minusInf ? 0.0f : 1.0f / l[i];
+  }
+  for (Index c = 0; c < dV; ++c) {
+    const float* a = accT + c * lanes;
+    for (Index i = 0; i < bq; ++i) out(i, c) = bad[i] != 0.0f ? nan : r[i] * a[i];
+  }
+#else
+  (void)q, (void)k, (void)v, (void)tau, (void)fold, (void)bounded, (void)mask, (void)head, (void)i0, (void)bq, (void)bk;
+  (void)out_, (void)lse_;
+#endif
+}
+
+}  // namespace fast
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_FORWARD_FAST_HPP

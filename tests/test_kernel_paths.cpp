@@ -1,0 +1,161 @@
+// The fp32 prefill kernel's instruction-set paths (internal/forward_fast.hpp): AVX-512, AVX2 and
+// the portable Eigen kernel, each run on this machine where its CPU has it, against the fp64
+// oracle by the FlashAttention rule, with the general kernel's rules for special values.
+#include <sdpa/sdpa.hpp>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support/cases.hpp"
+
+using namespace sdpa_test;
+using sdpa::Index;
+using sdpa::internal::Isa;
+using sdpa::internal::IsaChoice;
+using sdpa::mask::Align;
+namespace mask = sdpa::mask;
+namespace kernel = sdpa::kernel;
+
+namespace {
+
+const char* isaName(Isa isa) {
+  return isa == Isa::Avx512 ? "AVX-512" : isa == Isa::Avx2 ? "AVX2" : "portable";
+}
+
+/// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which.
+template <typename F>
+void forEachIsa(F&& f) {
+  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512}) {
+    if (int(cap) > int(IsaChoice::detected())) continue;
+    IsaChoice::setCap(cap);
+    INFO("ISA " << isaName(IsaChoice::current()));
+    f(cap);
+  }
+  IsaChoice::setCap(Isa::Avx512);
+}
+
+}  // namespace
+
+TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference  [seed C1]", "[tiled][isa]") {
+  using T = float;
+  std::uint64_t seed = 4100;
+  struct Shape {
+    Index nQ, nK, dK, dV;
+  };
+  // Lanes and keys that are not multiples of the micro-tiles (32 x 8, 16 x 6), d_v not of its columns.
+  const std::vector<Shape> shapes = {{67, 45, 16, 16}, {130, 257, 64, 64}, {33, 300, 100, 37}, {5, 61, 256, 7}};
+  for (const Shape& s : shapes) {
+    INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
+    const Mat<T> q = randn<T>(s.nQ, s.dK, ++seed), k = randn<T>(s.nK, s.dK, ++seed), v = randn<T>(s.nK, s.dV, ++seed);
+    const Mat<T> bias = randn<T>(s.nQ, s.nK, ++seed, 4.0);
+    const long double tau = 1.0L / std::sqrt((long double)s.dK);
+    const Index L = s.nQ, S = s.nK;
+    const auto kernels = {kernel::Tiled{}, kernel::Tiled{7, 33}};
+    forEachIsa([&](Isa) {
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+      // Unscaled: logits to +-60 at d_k = 256, where the exp's accuracy shows.
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
+      // tau > 1 multiplies the logits after the product (foldsScaleIntoQuery).
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)T(1.5),
+                           allVisible(), noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+          [=](Index i, Index j) { return j <= i + S - L; }, noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+          [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
+      checkTiledKernels<T>(
+          kernels, q, k, v, sdpa::scale::InvSqrtDk{},
+          mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}),
+          tau, [](Index i, Index j) { return j <= i; },
+          [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
+                           [&](Index i, Index j) { return (long double)bias(i, j); });
+    });
+  }
+}
+
+TEST_CASE("the AVX2 and AVX-512 paths give the same bits", "[tiled][isa]") {
+  // Each lane (query row) computes the same operations in the same order on both: the same
+  // fused multiply-adds of the products, the same exp, the same running sums.
+  if (IsaChoice::detected() != Isa::Avx512) {
+    WARN("this CPU has no AVX-512: nothing to compare");
+    return;
+  }
+  const Mat<float> q = randn<float>(77, 64, 1), k = randn<float>(300, 64, 2), v = randn<float>(300, 40, 3);
+  const auto causal = mask::Causal{Align::LowerRight};
+  IsaChoice::setCap(Isa::Avx2);
+  const auto a = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
+  IsaChoice::setCap(Isa::Avx512);
+  const auto b = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
+  CHECK(a.output == b.output);
+  CHECK(a.logSumExp == b.logSumExp);
+}
+
+TEST_CASE("special values in the float prefill kernel follow the general kernel's rules", "[tiled][isa][nan]") {
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const Index nQ = 40, nK = 70, d = 16;
+  const Mat<float> q = randn<float>(nQ, d, 11), k = randn<float>(nK, d, 12), v = randn<float>(nK, 5, 13);
+  forEachIsa([&](Isa) {
+    // Hidden positions hold NaN and inf in k and v: no effect on any row, to the bit in the fast
+    // kernel (its zero-skipping product keeps the order of its sums), up to the order of the sums
+    // in the portable one (test_forward.cpp).
+    const mask::KeyLength keys{60};
+    const auto clean = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, keys);
+    Mat<float> kBad = k, vBad = v;
+    kBad.bottomRows(10).setConstant(nan);
+    vBad.bottomRows(10).setConstant(inf);
+    const auto dirty = sdpa::attentionForward(q, kBad, vBad, sdpa::scale::InvSqrtDk{}, keys);
+    if (IsaChoice::current() == Isa::Portable)
+      CHECK(maxAbsDiff(dirty.output, clean.output) <= 4 * std::numeric_limits<float>::epsilon());
+    else
+      CHECK(dirty.output == clean.output);
+    CHECK(dirty.logSumExp == clean.logSumExp);
+
+    // A NaN bias at a visible position makes its row NaN; the other rows keep their bits.
+    Mat<float> bias = Mat<float>::Zero(nQ, nK);
+    const auto plain = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias});
+    bias(7, 3) = nan;
+    const auto poisoned = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias});
+    for (Index i = 0; i < nQ; ++i) {
+      if (i == 7) {
+        CHECK(poisoned.output.row(i).array().isNaN().all());
+        CHECK(std::isnan(poisoned.logSumExp(i)));
+      } else {
+        CHECK(poisoned.output.row(i) == plain.output.row(i));
+        CHECK(poisoned.logSumExp(i) == plain.logSumExp(i));
+      }
+    }
+
+    // Products beyond the largest float: q.k = +inf in row 2 only. That row is NaN, as the
+    // naive kernel's rule says; the others are finite.
+    Mat<float> qBig = q;
+    qBig.row(2).setConstant(1e30f);
+    Mat<float> kBig = k;
+    kBig.row(0).setConstant(1e30f);
+    const auto big = sdpa::attentionForward(qBig, kBig, v, sdpa::scale::None{});
+    const auto naive = sdpa::attentionForward(kernel::Naive{}, qBig, kBig, v, sdpa::scale::None{});
+    for (Index i = 0; i < nQ; ++i) {
+      INFO("row " << i);
+      CHECK(big.output.row(i).hasNaN() == naive.output.row(i).hasNaN());
+      CHECK(std::isnan(big.logSumExp(i)) == std::isnan(naive.logSumExp(i)));
+    }
+    CHECK(big.output.row(2).hasNaN());
+
+    // A value of inf whose weight a later, larger logit turns to exactly 0 has no effect.
+    Mat<float> k1 = Mat<float>::Zero(48, 1), v1 = randn<float>(48, 3, 37);
+    k1(47, 0) = 1e4f;
+    v1(0, 1) = inf;
+    v1(20, 2) = nan;
+    const Mat<float> q1 = Mat<float>::Ones(9, 1);
+    const auto one = sdpa::attentionForward(kernel::Tiled{16, 8}, q1, k1, v1, sdpa::scale::None{});
+    for (Index i = 0; i < 9; ++i) CHECK(one.output.row(i) == v1.row(47));
+
+    // Every key hidden from some rows: output 0 and logSumExp -inf there.
+    const auto none = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, mask::QueryLength{30});
+    CHECK((none.output.bottomRows(10).array() == 0.0f).all());
+    CHECK((none.logSumExp.tail(10).array() == -inf).all());
+  });
+}
