@@ -90,6 +90,22 @@ void BM_ForwardSoftcap(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
+/// Causal prefill (LowerRight): hidden tiles skipped. FLOPs counted as for the full pass, so its
+/// GFLOP/s over BM_ForwardTargets<Tiled>'s is the non-causal time over the causal. args: n, d, threads
+void BM_ForwardCausal(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  const sdpa::mask::Causal causal{sdpa::mask::Align::LowerRight};
+  benchmark::DoNotOptimize(sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal).output.data());
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
+}
+
 /// The tiled kernel with explicit block sizes. args: n, d, threads, blockQ, blockK
 void BM_ForwardBlocks(benchmark::State& state) { forward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)}); }
 
@@ -144,6 +160,11 @@ BENCHMARK(BM_Forward<sdpa::kernel::Tiled, sdpa::scale::Learnable<float>>)
 BENCHMARK(BM_ForwardSoftcap)
     ->ArgNames({"n", "d", "threads"})
     ->ArgsProduct({{4096}, {16, 64, 128}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardCausal)
+    ->ArgNames({"n", "d", "threads"})
+    ->ArgsProduct({{4096}, {64, 128}, {1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.

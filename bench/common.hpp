@@ -5,6 +5,9 @@
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -107,11 +110,71 @@ class LoopTimer {
  * ceilings of the same FLOP count measured in this run: "xSGEMM" (Eigen's) and
  * "xSGEMM_openblas". `seconds` is the loop's wall time from a LoopTimer started before it.
  */
+/**
+ * The machine's fp32 FMA peak of one core in GFLOP/s, measured (not looked up): 12 independent
+ * chains of vector FMAs (enough to cover the latency on every x86 core), 2 FLOPs a lane, at the
+ * widest width the CPU runs (AVX-512, else AVX2; chosen at run time, as the kernels are). Median
+ * of 5, measured once per run. kernels / this = the fraction of the machine a kernel uses
+ * (docs/PERFORMANCE.md); 0 where no such ISA exists.
+ */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx512f"))) inline float fmaChains512(long iters) {
+  __m512 a[12];
+  const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(float(i));
+  for (long t = 0; t < iters; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], x, y);
+  }
+  __m512 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, s);
+  return out[0];
+}
+__attribute__((target("avx2,fma"))) inline float fmaChains256(long iters) {
+  __m256 a[12];
+  const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(float(i));
+  for (long t = 0; t < iters; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+  }
+  __m256 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, s);
+  return out[0];
+}
+#endif
+inline double fmaPeakGflops() {
+  static double cached = -1;
+  if (cached >= 0) return cached;
+  cached = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool wide = __builtin_cpu_supports("avx512f");
+  if (!wide && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return cached;
+  const long iters = 20000000;
+  float sink = 0;
+  const double s = medianSeconds([&] { sink += wide ? fmaChains512(iters) : fmaChains256(iters); }, 5);
+  benchmark::DoNotOptimize(sink);
+  cached = 12.0 * 2.0 * (wide ? 16 : 8) * double(iters) / s * 1e-9;
+#endif
+  return cached;
+}
+
 inline void reportFlops(benchmark::State& state, double flops, double seconds, Index nQ, Index nK, Index d) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   if (state.iterations() == 0 || seconds <= 0) return;
   const double gflops = flops * double(state.iterations()) / seconds * 1e-9;
   state.counters["xSGEMM"] = gflops / eigenSgemmGflops(nQ, nK, d);
+  // Per core: a run on t threads is compared with t cores' peak.
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads();
+#endif
+  if (const double peak = fmaPeakGflops(); peak > 0) state.counters["xFMA"] = gflops / (peak * threads);
   if (const double ob = openblasSgemmGflops(nQ, nK, d); ob > 0) state.counters["xSGEMM_openblas"] = gflops / ob;
 }
 
