@@ -20,9 +20,7 @@ namespace kernel = sdpa::kernel;
 
 namespace {
 
-const char* isaName(Isa isa) {
-  return isa == Isa::Avx512 ? "AVX-512" : isa == Isa::Avx2 ? "AVX2" : "portable";
-}
+const char* isaName(Isa isa) { return isa == Isa::Avx512 ? "AVX-512" : isa == Isa::Avx2 ? "AVX2" : "portable"; }
 
 /// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which.
 template <typename F>

@@ -95,8 +95,8 @@ inline bool available() {
 template <typename DQ, typename DK>
 bool logitsBounded(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, float qScale) {
   if (q.size() == 0 || k.size() == 0) return true;
-  const double bound = double(q.cols()) * double(q.cwiseAbs().maxCoeff()) * std::abs(double(qScale)) *
-                       double(k.cwiseAbs().maxCoeff());
+  const double bound =
+      double(q.cols()) * double(q.cwiseAbs().maxCoeff()) * std::abs(double(qScale)) * double(k.cwiseAbs().maxCoeff());
   return bound < 0.25 * double(std::numeric_limits<float>::max());
 }
 
