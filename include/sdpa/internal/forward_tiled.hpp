@@ -412,12 +412,11 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
       if (boundedPair.empty() || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
       const ItemHead& u = pairs[size_t(w.pair)];
       const float tau = headScale(scale, u.head).template value<float>(dims.dK);
-      fast::forwardBlock(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-                                k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-                                v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), tau, foldsScaleIntoQuery(tau),
-                                boundedPair[size_t(w.pair)] != 0, itemMask(mask, u), u.head, w.i0, w.rows, tile.k,
-                                out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV),
-                                lse.col(u.head).segment(u.q0 + w.i0, w.rows));
+      fast::forwardBlock(
+          q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), tau, foldsScaleIntoQuery(tau),
+          boundedPair[size_t(w.pair)] != 0, itemMask(mask, u), u.head, w.i0, w.rows, tile.k,
+          out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV), lse.col(u.head).segment(u.q0 + w.i0, w.rows));
       return true;
     } else {
       (void)w;
