@@ -446,6 +446,15 @@ struct IsAlignedToLengths : std::false_type {};
 template <typename M>
 struct IsAlignedToLengths<AlignedToLengths<M>> : std::true_type {};
 
+/// Whether mask M only hides (every part at Stage::Hide, without a bias): it sets entries to
+/// -inf and leaves the others alone, so it commutes with any positive scaling of the logits.
+template <typename M>
+struct OnlyHides : std::bool_constant<M::MaskStage == Stage::Hide && !M::HasBias> {};
+template <typename... M>
+struct OnlyHides<Combined<M...>> : std::bool_constant<(OnlyHides<M>::value && ...)> {};
+template <typename M>
+struct OnlyHides<AlignedToLengths<M>> : OnlyHides<M> {};
+
 /**
  * Applies the parts of mask m that act at stage S, looking inside combinations at any depth (and
  * through a padded item's alignment), so that every softcap of a nested combination runs before

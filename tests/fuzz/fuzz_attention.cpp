@@ -706,13 +706,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (target() != Target::Backward) {
       runForward<float>("forward naive float", sdpa::kernel::Naive{}, c);
       runForward<double>("forward naive double", sdpa::kernel::Naive{}, c);
-      if (c.kernelKind == 0) {
-        runForward<float>("forward tiled float", sdpa::kernel::Tiled{}, c);
-        runForward<double>("forward tiled double", sdpa::kernel::Tiled{}, c);
-      } else {
-        runForward<float>("forward tiled float (small blocks)", sdpa::kernel::Tiled{c.blockQ, c.blockK}, c);
-        runForward<double>("forward tiled double (small blocks)", sdpa::kernel::Tiled{c.blockQ, c.blockK}, c);
+      const sdpa::kernel::Tiled tiled =
+          c.kernelKind == 0 ? sdpa::kernel::Tiled{} : sdpa::kernel::Tiled{c.blockQ, c.blockK};
+      const std::string blocks = c.kernelKind == 0 ? "" : " (small blocks)";
+      // The float tiled forward under every instruction set this CPU has: the fast prefill
+      // kernel's AVX-512 and AVX2 paths and the portable Eigen kernel (internal/cpu.hpp).
+      using sdpa::internal::Isa;
+      using sdpa::internal::IsaChoice;
+      for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512}) {
+        if (int(cap) > int(IsaChoice::detected())) continue;
+        IsaChoice::setCap(cap);
+        const char* isa = cap == Isa::Avx512 ? ", AVX-512" : cap == Isa::Avx2 ? ", AVX2" : ", portable";
+        runForward<float>(("forward tiled float" + blocks + isa).c_str(), tiled, c);
       }
+      IsaChoice::setCap(Isa::Avx512);
+      runForward<double>(("forward tiled double" + blocks).c_str(), tiled, c);
     }
     if (target() != Target::Forward) {
       runBackward<float>(c);

@@ -40,6 +40,9 @@ namespace sdpa::internal {
  */
 namespace fast {
 
+/// kExpCut in units of ln 2: 2^x at or below it is exactly 0, as exp at or below kExpCut.
+constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
+
 #if SDPA_HAS_ISA_DISPATCH
 // GCC 12 reports -Wuninitialized / -Wmaybe-uninitialized inside its own AVX-512 intrinsics
 // (_mm512_undefined_ps in roundscale and scalef) once they are inlined: a false positive of the
@@ -88,16 +91,54 @@ inline bool available() {
 }
 
 /**
- * Whether every logit (tau q) k^T of a head is finite whatever the order of its sums:
- * |q_i . k_j| <= d_k max|q| max|k|, with room for the rounding. Then only a mask can bring NaN
- * or inf into a tile, and tiles the mask leaves alone need no check.
+ * y = exp(x) (base2: 2^x) for n floats x <= 0 as the kernel's softmax computes them under the
+ * ISA in force (exactly 0 at or below kExpCut, and for -inf and NaN), for the tests; the
+ * portable path has no such function and takes the AVX2 one's place only where the CPU has it.
  */
+inline void expArray(bool base2, const float* x, float* y, Index n) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (IsaChoice::current() == Isa::Avx512)
+    return base2 ? avx512::expArray<true>(x, y, n) : avx512::expArray<false>(x, y, n);
+  if (IsaChoice::current() == Isa::Avx2) return base2 ? avx2::expArray<true>(x, y, n) : avx2::expArray<false>(x, y, n);
+#endif
+  for (Index i = 0; i < n; ++i)
+    y[i] = base2 ? (x[i] > kExp2Cut ? std::exp2(x[i]) : 0.0f) : (x[i] > kExpCut<float> ? std::exp(x[i]) : 0.0f);
+}
+
+/// Largest |x| over the finite entries of m (0 if none).
+template <typename D>
+float maxFiniteAbs(const Eigen::MatrixBase<D>& m) {
+  float r = 0.0f;
+  for (Index c = 0; c < m.cols(); ++c)
+    for (Index i = 0; i < m.rows(); ++i) {
+      const float x = std::abs(float(m(i, c)));
+      if (x <= std::numeric_limits<float>::max()) r = std::max(r, x);
+    }
+  return r;
+}
+
+/// What a head's q, k and tau allow the kernel (logitBounds).
+struct LogitBounds {
+  /// No logit tau q.k can overflow, whatever the order of its sums, and q, k are finite: only a
+  /// mask can bring NaN or inf into a tile, and tiles the mask leaves alone need no check.
+  bool bounded = false;
+  /// Neither tau log2(e) q nor the logits in units of ln 2 can overflow where the natural ones
+  /// do not (judged by the finite entries only, so that NaN or inf at hidden positions change
+  /// no bit): base-2 tiles are allowed.
+  bool base2 = false;
+};
+
+/// |q_i . k_j| <= d_k max|q| max|k|, with room for the rounding.
 template <typename DQ, typename DK>
-bool logitsBounded(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, float qScale) {
-  if (q.size() == 0 || k.size() == 0) return true;
-  const double bound =
-      double(q.cols()) * double(q.cwiseAbs().maxCoeff()) * std::abs(double(qScale)) * double(k.cwiseAbs().maxCoeff());
-  return bound < 0.25 * double(std::numeric_limits<float>::max());
+LogitBounds logitBounds(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, float tau) {
+  if (q.size() == 0 || k.size() == 0) return {true, true};
+  constexpr double log2e = 1.4426950408889634, limit = 0.25 * double(std::numeric_limits<float>::max());
+  const double qMax = double(maxFiniteAbs(q)) * std::abs(double(tau)), kMax = double(maxFiniteAbs(k));
+  const double bound = double(q.cols()) * qMax * kMax;
+  LogitBounds b;
+  b.bounded = bound < limit && allFiniteVectorised(q) && allFiniteVectorised(k);
+  b.base2 = bound * log2e < limit && qMax * log2e < limit;
+  return b;
 }
 
 /**
@@ -132,13 +173,13 @@ struct Scratch {
 /**
  * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v, any strides)
  * against every key, in tiles of bk keys, written to out (bq x d_v) and lse (bq): the result of
- * forward_tiled_impl's stream + finish on such inputs. `bounded`: no logit tau q.k can overflow
- * (logitsBounded); if it may, the tiles are checked and a row that meets a NaN or +inf logit is
- * NaN (the general kernel's rule).
+ * forward_tiled_impl's stream + finish on such inputs. `bounds` (logitBounds of the head): where
+ * a logit may overflow, the tiles are checked and a row that meets a NaN or +inf logit is NaN
+ * (the general kernel's rule); where they allow it and the mask only hides, base-2 tiles.
  */
 template <typename DQ, typename DK, typename DV, typename Mask, typename DOut, typename DLse>
 void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                  float tau, bool fold, bool bounded, const Mask& mask, Index head, Index i0, Index bq, Index bk,
+                  float tau, bool fold, LogitBounds bounds, const Mask& mask, Index head, Index i0, Index bq, Index bk,
                   const Eigen::MatrixBase<DOut>& out_, const Eigen::MatrixBase<DLse>& lse_) {
 #if SDPA_HAS_ISA_DISPATCH
   auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
@@ -148,10 +189,16 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   const Index step = isa == Isa::Avx512 ? avx512::L : avx2::L;
   const Index lanes = (bq + step - 1) / step * step;
   Scratch& sc = Scratch::thread();
+  // Base-2 tiles: where the mask only hides (it commutes with scaling), log2(e) joins the scale
+  // and the softmax takes exp2, whose reduction is cheaper than exp's (vexp2): the logits, their
+  // maxima m and the weights are those of the natural tile in units of ln 2, and lse = m ln 2 +
+  // log l. Not where q tau log2(e) might overflow a float that q tau does not.
+  const bool base2 = mask::internal::OnlyHides<Mask>::value && bounds.base2;
+  const float unit = base2 ? 1.44269504088896341f : 1.0f;
   // q^T (d_k x lanes), the scale folded in where foldsScaleIntoQuery says so; lanes past bq are
   // 0 (their logits are 0, never read back).
   float* qT = sc.qT.get(dK * lanes);
-  const float qScale = fold ? tau : 1.0f;
+  const float qScale = fold ? tau * unit : 1.0f, tileScale = fold ? 1.0f : tau * unit;
   for (Index c = 0; c < dK; ++c) {
     float* row = qT + c * lanes;
     for (Index i = 0; i < bq; ++i) row[i] = qScale == 1.0f ? q(i0 + i, c) : qScale * q(i0 + i, c);
@@ -185,14 +232,22 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       avx2::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, cols, sT, plain ? top : nullptr);
     // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
     Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
-    if (!fold) s *= tau;
+    if (!fold) s *= tileScale;
     if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
-    const bool checked = !bounded || t == mask::Tile::Partial;
-    if (isa == Isa::Avx512)
-      avx512::softmaxTile(sT, lanes, cols, plain ? top : nullptr, checked, m, l, accT, dV, bad);
-    else
-      avx2::softmaxTile(sT, lanes, cols, plain ? top : nullptr, checked, m, l, accT, dV, bad);
+    const bool checked = !bounds.bounded || t == mask::Tile::Partial;
+    const float* tileMax = plain ? top : nullptr;
+    if (isa == Isa::Avx512) {
+      if (base2)
+        avx512::softmaxTile<true>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+      else
+        avx512::softmaxTile<false>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+    } else {
+      if (base2)
+        avx2::softmaxTile<true>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+      else
+        avx2::softmaxTile<false>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+    }
     if (allFiniteVectorised(v.middleRows(j0, cols))) {
       if (isa == Isa::Avx512)
         avx512::values(sT, lanes, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
@@ -208,7 +263,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   // A row that met a NaN or +inf logit is NaN, as the naive kernel's rule says.
   constexpr float nan = std::numeric_limits<float>::quiet_NaN();
   for (Index i = 0; i < bq; ++i) {
-    lse(i) = bad[i] != 0.0f ? nan : m[i] == minusInf ? minusInf : m[i] + std::log(l[i]);
+    const float top = base2 ? float(double(m[i]) * 0.6931471805599453) : m[i];  // m ln 2, one rounding
+    lse(i) = bad[i] != 0.0f ? nan : m[i] == minusInf ? minusInf : top + std::log(l[i]);
     r[i] = bad[i] != 0.0f ? nan : m[i] == minusInf ? 0.0f : 1.0f / l[i];
   }
   for (Index c = 0; c < dV; ++c) {
@@ -216,7 +272,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     for (Index i = 0; i < bq; ++i) out(i, c) = bad[i] != 0.0f ? nan : r[i] * a[i];
   }
 #else
-  (void)q, (void)k, (void)v, (void)tau, (void)fold, (void)bounded, (void)mask, (void)head, (void)i0, (void)bq, (void)bk;
+  (void)q, (void)k, (void)v, (void)tau, (void)fold, (void)bounds, (void)mask, (void)head, (void)i0, (void)bq, (void)bk;
   (void)out_, (void)lse_;
 #endif
 }

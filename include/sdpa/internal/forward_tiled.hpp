@@ -391,32 +391,30 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
   const int threads = maxThreads();
 
-  // The fp32 prefill kernel (forward_fast.hpp), without dropout. Per pair, whether its logits
-  // are bounded (no product can overflow: O(n d) once, against the pair's O(n_q n_k d)).
-  std::vector<char> boundedPair;
+  // The fp32 prefill kernel (forward_fast.hpp), without dropout. Per pair, what the magnitudes
+  // of its q, k and tau allow (logitBounds: O(n d) once, against the pair's O(n_q n_k d)).
+  std::vector<fast::LogitBounds> bounds;
   if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {
     if (fast::available() && !dropout.enabled()) {
-      boundedPair.resize(pairs.size());
+      bounds.resize(pairs.size());
       for (size_t p = 0; p < pairs.size(); ++p) {
         const ItemHead& u = pairs[p];
-        const auto qh = q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
-        const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
-        const float tau = headScale(scale, u.head).template value<float>(dims.dK);
-        boundedPair[p] = allFiniteVectorised(qh) && allFiniteVectorised(kh) &&
-                         fast::logitsBounded(qh, kh, foldsScaleIntoQuery(tau) ? tau : 1.0f);
+        bounds[p] = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+                                      k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+                                      headScale(scale, u.head).template value<float>(dims.dK));
       }
     }
   }
   const auto fastUnit = [&](const Unit& w) {
     if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {
-      if (boundedPair.empty() || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
+      if (bounds.empty() || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
       const ItemHead& u = pairs[size_t(w.pair)];
       const float tau = headScale(scale, u.head).template value<float>(dims.dK);
       fast::forwardBlock(
           q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), tau, foldsScaleIntoQuery(tau),
-          boundedPair[size_t(w.pair)] != 0, itemMask(mask, u), u.head, w.i0, w.rows, tile.k,
-          out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV), lse.col(u.head).segment(u.q0 + w.i0, w.rows));
+          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), tau, foldsScaleIntoQuery(tau), bounds[size_t(w.pair)],
+          itemMask(mask, u), u.head, w.i0, w.rows, tile.k, out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV),
+          lse.col(u.head).segment(u.q0 + w.i0, w.rows));
       return true;
     } else {
       (void)w;
