@@ -174,6 +174,17 @@ BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)
     ->ArgsProduct({{4096}, {64}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// The shapes of bench/peers/peers.py, which times ONNX Runtime and PyTorch beside these.
+BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)
+    ->Name("BM_ForwardPeers<Tiled>")
+    ->ArgNames({"n", "d", "threads"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const Index threads : {1, 2})
+        for (const auto& [n, d] : {std::pair<Index, Index>{1024, 64}, {4096, 16}, {4096, 64}, {4096, 128}, {4096, 256}})
+          b->Args({n, d, threads});
+    })
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForwardHeads)
     ->ArgNames({"n", "H", "threads"})
     ->ArgsProduct({{1024}, {8}, {1, 2}})
