@@ -142,18 +142,19 @@ LogitBounds logitBounds(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
 }
 
 /**
- * values() for a v tile that holds NaN or inf: a value of weight 0 must have no effect (0 * inf
- * is NaN), so such terms are skipped. The other terms are the micro-kernel's, in its order (a
+ * values() for a v tile that holds NaN or inf (over each lane group's key range, as there): a value of weight 0 must
+ * have no effect (0 * inf is NaN), so such terms are skipped. The other terms are the micro-kernel's, in its order (a
  * tile sum from 0 by fused multiply-adds, then added to acc): where the skipped values are
  * finite, fma(0, v, a) = a, so the result is bitwise that of the same inputs with finite values
  * there (a NaN at a hidden key leaves the output unchanged, to the bit).
  */
-inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const float* v, Index vRs, Index vCs,
-                                Index dV, float* accT) {
+inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const Index* begin, const Index* end,
+                                Index group, const float* v, Index vRs, Index vCs, Index dV, float* accT) {
   for (Index c = 0; c < dV; ++c)
     for (Index i = 0; i < bq; ++i) {
       float a = 0.0f;
-      for (Index j = 0; j < bk; ++j) {
+      const Index jb = begin ? begin[i / group] : 0, je = end ? end[i / group] : bk;
+      for (Index j = jb; j < je; ++j) {
         const float p = pT[j * lanes + i];
         if (p != 0.0f) a = std::fma(p, v[j * vRs + c * vCs], a);
       }
@@ -161,9 +162,11 @@ inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk
     }
 }
 
-/// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows.
+/// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
+/// the key range of each lane group in a partial tile.
 struct Scratch {
   Buffer<float> qT, sT, accT, max, sum, top, bad;
+  Buffer<Index> keyBegin, keyEnd;
   static Scratch& thread() {
     thread_local Scratch scratch;
     return scratch;
@@ -218,20 +221,53 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   const float* vData = v.derived().data();
   const Index kRs = k.derived().rowStride(), kCs = k.derived().colStride();
   const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
+  // A partial tile's corners: per lane group, the keys outside [begin, end) hidden from all its
+  // rows (found in chunks of 16 keys) are neither multiplied nor exponentiated. A causal
+  // diagonal tile of 256 x 256 keeps 56% of its entries with groups of 32 rows.
+  const Index group = step, groups = lanes / step;
+  Index* keyBegin = sc.keyBegin.get(groups);
+  Index* keyEnd = sc.keyEnd.get(groups);
+  constexpr Index chunk = 16;
   for (Index j0 = 0; j0 < nK; j0 += bk) {
     const Index cols = std::min(bk, nK - j0);
     const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
     if (t == mask::Tile::Hidden) continue;
+    const bool ranged = t == mask::Tile::Partial;
+    if (ranged)
+      for (Index g = 0; g < groups; ++g) {
+        const Index r0 = i0 + g * group, rows = std::min(group, bq - g * group);
+        Index b = cols, e = 0;
+        if (rows > 0)
+          for (Index c = 0; c < cols; c += chunk) {
+            const Index w = std::min(chunk, cols - c);
+            if (mask.classify(r0, rows, j0 + c, w, nQ, nK, head) == mask::Tile::Hidden) continue;
+            b = std::min(b, c);
+            e = c + w;
+          }
+        keyBegin[g] = b;
+        keyEnd[g] = std::max(b, e);
+      }
+    const Index* rb = ranged ? keyBegin : nullptr;
+    const Index* re = ranged ? keyEnd : nullptr;
     // The products' epilogue finds the maxima where the logits are final there: no mask to
     // apply, no scale to multiply by.
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
     if (isa == Isa::Avx512)
-      avx512::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, cols, sT, plain ? top : nullptr);
+      avx512::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
     else
-      avx2::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, cols, sT, plain ? top : nullptr);
+      avx2::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
     // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
     Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
+    // Entries out of range are hidden and never read by the softmax; the scale and a mask that
+    // does more than hide read every entry, so there they are given a value first.
+    if (ranged && (!fold || !mask::internal::OnlyHides<Mask>::value))
+      for (Index g = 0; g < groups; ++g) {
+        const Index r0 = g * group, rows = std::min(group, bq - r0);
+        if (rows <= 0) continue;
+        s.block(r0, 0, rows, keyBegin[g]).setConstant(-std::numeric_limits<float>::infinity());
+        s.block(r0, keyEnd[g], rows, cols - keyEnd[g]).setConstant(-std::numeric_limits<float>::infinity());
+      }
     if (!fold) s *= tileScale;
     if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
@@ -239,22 +275,22 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     const float* tileMax = plain ? top : nullptr;
     if (isa == Isa::Avx512) {
       if (base2)
-        avx512::softmaxTile<true>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTile<true>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
       else
-        avx512::softmaxTile<false>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTile<false>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
     } else {
       if (base2)
-        avx2::softmaxTile<true>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+        avx2::softmaxTile<true>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
       else
-        avx2::softmaxTile<false>(sT, lanes, cols, tileMax, checked, m, l, accT, dV, bad);
+        avx2::softmaxTile<false>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
     }
     if (allFiniteVectorised(v.middleRows(j0, cols))) {
       if (isa == Isa::Avx512)
-        avx512::values(sT, lanes, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+        avx512::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
       else
-        avx2::values(sT, lanes, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+        avx2::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
     } else {
-      valuesSkippingZeros(sT, lanes, bq, cols, vData + j0 * vRs, vRs, vCs, dV, accT);
+      valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, vData + j0 * vRs, vRs, vCs, dV, accT);
     }
   }
   // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.
