@@ -34,6 +34,20 @@ void forEachIsa(F&& f) {
   IsaChoice::setCap(Isa::Avx512);
 }
 
+/// checkForwardAgainst under every ISA and both block sizes, the oracle computed once.
+template <typename Scale, typename Mask>
+void checkEveryIsa(const Mat<float>& q, const Mat<float>& k, const Mat<float>& v, const Scale& scale, const Mask& mask,
+                   long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
+  const auto gold = referenceAttention<long double>(q, k, v, tau, visible, bias, softcap);
+  const auto naive = referenceAttention<float>(q, k, v, tau, visible, bias, softcap);
+  forEachIsa([&](Isa) {
+    for (const kernel::Tiled& kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
+      INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+      checkForwardAgainst<float>(kern, q, k, v, scale, mask, gold, naive);
+    }
+  });
+}
+
 }  // namespace
 
 TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference  [seed C1]", "[tiled][isa]") {
@@ -50,28 +64,24 @@ TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference
     const Mat<T> bias = randn<T>(s.nQ, s.nK, ++seed, 4.0);
     const long double tau = 1.0L / std::sqrt((long double)s.dK);
     const Index L = s.nQ, S = s.nK;
-    const auto kernels = {kernel::Tiled{}, kernel::Tiled{7, 33}};
-    forEachIsa([&](Isa) {
-      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
-      // Unscaled: logits to +-60 at d_k = 256, where the exp's accuracy shows.
-      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
-      // tau > 1 multiplies the logits after the product (foldsScaleIntoQuery).
-      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)T(1.5),
-                           allVisible(), noBias());
-      checkTiledKernels<T>(
-          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-          [=](Index i, Index j) { return j <= i + S - L; }, noBias());
-      checkTiledKernels<T>(
-          kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
-          [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
-      checkTiledKernels<T>(
-          kernels, q, k, v, sdpa::scale::InvSqrtDk{},
-          mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}),
-          tau, [](Index i, Index j) { return j <= i; },
-          [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
-      checkTiledKernels<T>(kernels, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
-                           [&](Index i, Index j) { return (long double)bias(i, j); });
-    });
+    checkEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+    // Unscaled: logits to +-60 at d_k = 256, where the exp's accuracy shows.
+    checkEveryIsa(q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
+    // tau > 1 multiplies the logits after the product (foldsScaleIntoQuery).
+    checkEveryIsa(q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)T(1.5), allVisible(), noBias());
+    checkEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+        [=](Index i, Index j) { return j <= i + S - L; }, noBias());
+    checkEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+        [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
+    checkEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{},
+        mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
+        [](Index i, Index j) { return j <= i; },
+        [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+    checkEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
+                  [&](Index i, Index j) { return (long double)bias(i, j); });
   }
 }
 

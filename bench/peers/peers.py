@@ -20,7 +20,7 @@ Not part of CI: the peers come from PyPI, in a virtual environment of your own:
 
   python3 -m venv /tmp/peers && /tmp/peers/bin/pip install onnxruntime onnx numpy torch
   cmake --preset bench && cmake --build --preset bench
-  /tmp/peers/bin/python bench/peers/peers.py            # prints a Markdown table
+  /tmp/peers/bin/python bench/peers/peers.py --rounds 3   # prints a Markdown table
 
 Every peer's output is first checked against a float64 NumPy reference at n = 256 (a peer that
 computes something else would otherwise be timed happily).
@@ -198,6 +198,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.5)
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run every peer this many times, interleaved; each cell is the median"
+    )
     ap.add_argument("--peers", default="ort,ort-unfused,torch", help="which peers to run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--threads-one", type=int, help=argparse.SUPPRESS)
@@ -213,13 +216,31 @@ def main():
     versions = {}
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        got = {"sdpa": run_sdpa(threads, args)}
-        if "ort" in peers:
-            got["ort"] = run_worker("ort", threads, args)
-        if "ort-unfused" in peers:
-            got["ort-unfused"] = run_worker("ort", threads, args, {"ORT_DISABLE_FLASH_ATTENTION": "1"})
-        if "torch" in peers:
-            got["torch"] = run_worker("torch", threads, args)
+        # A shared machine drifts: the peers take turns, round after round, and each cell is
+        # the median of its rounds.
+        rounds = []
+        for _ in range(args.rounds):
+            got = {"sdpa": run_sdpa(threads, args)}
+            if "ort" in peers:
+                got["ort"] = run_worker("ort", threads, args)
+            if "ort-unfused" in peers:
+                got["ort-unfused"] = run_worker("ort", threads, args, {"ORT_DISABLE_FLASH_ATTENTION": "1"})
+            if "torch" in peers:
+                got["torch"] = run_worker("torch", threads, args)
+            rounds.append(got)
+        got = {}
+        for peer in rounds[0]:
+            got[peer] = {}
+            for shape in SHAPES:
+                cells = [r[peer][shape] for r in rounds if shape in r.get(peer, {})]
+                if not cells:
+                    continue
+                cell = dict(cells[0])
+                for key in ("gflops", "xFMA"):
+                    if key in cell:
+                        cell[key] = statistics.median(c[key] for c in cells)
+                cell["flash"] = all(c.get("flash", True) for c in cells)
+                got[peer][shape] = cell
         for n, d in SHAPES:
             row = {"threads": threads, "n": n, "d": d}
             for peer, res in got.items():
@@ -248,7 +269,11 @@ def main():
         cells.append(f"{r['sdpa']['gflops'] / best:.2f}" if best > 0 else "-")
         print("| " + " | ".join(cells) + " |")
     print()
-    print("GFLOP/s = 4 n^2 d / t, medians of", args.reps, "passes; versions:", json.dumps(versions))
+    print(
+        f"GFLOP/s = 4 n^2 d / t, medians of {args.reps} passes, median of {args.rounds} interleaved rounds;",
+        "versions:",
+        json.dumps(versions),
+    )
 
 
 if __name__ == "__main__":
