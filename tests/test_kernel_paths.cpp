@@ -20,18 +20,24 @@ namespace kernel = sdpa::kernel;
 
 namespace {
 
-const char* isaName(Isa isa) { return isa == Isa::Avx512 ? "AVX-512" : isa == Isa::Avx2 ? "AVX2" : "portable"; }
+const char* isaName(Isa isa) {
+  return isa == Isa::Avx512Bf16 ? "AVX-512 + BF16"
+         : isa == Isa::Avx512   ? "AVX-512"
+         : isa == Isa::Avx2     ? "AVX2"
+                                : "portable";
+}
 
-/// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which.
+/// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which;
+/// Avx512Bf16 (the same fp32 kernels as Avx512) only where `bf16` asks for it.
 template <typename F>
-void forEachIsa(F&& f) {
-  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512}) {
-    if (int(cap) > int(IsaChoice::detected())) continue;
+void forEachIsa(F&& f, bool bf16 = false) {
+  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}) {
+    if (int(cap) > int(IsaChoice::detected()) || (cap == Isa::Avx512Bf16 && !bf16)) continue;
     IsaChoice::setCap(cap);
     INFO("ISA " << isaName(IsaChoice::current()));
     f(cap);
   }
-  IsaChoice::setCap(Isa::Avx512);
+  IsaChoice::setCap(Isa::Avx512Bf16);
 }
 
 /// checkForwardAgainst under every ISA and both block sizes, the oracle computed once.
@@ -44,6 +50,58 @@ void checkEveryIsa(const Mat<float>& q, const Mat<float>& k, const Mat<float>& v
     for (const kernel::Tiled& kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
       INFO("blocks " << kern.blockQ << " x " << kern.blockK);
       checkForwardAgainst<float>(kern, q, k, v, scale, mask, gold, naive);
+    }
+  });
+}
+
+/// The largest |x| over the finite entries of x (0 if none).
+double maxFinite(const Vec<double>& x) {
+  double r = 0;
+  for (Index i = 0; i < x.size(); ++i)
+    if (std::isfinite(x(i))) r = std::max(r, std::abs(x(i)));
+  return r;
+}
+
+/**
+ * Half-precision q, k, v through the tiled kernel under every ISA and two block sizes, with
+ * Products::Fp32: a float output within the float rule of the oracle on the same (exactly
+ * converted) inputs, and bitwise that of the float kernel on those inputs where the fast kernel
+ * runs; an output in H that, plus one rounding to H (u_H max|gold|).
+ */
+template <typename H, typename Scale, typename Mask>
+void checkHalfEveryIsa(const Mat<H>& q, const Mat<H>& k, const Mat<H>& v, const Scale& scale, const Mask& mask,
+                       long double tau, const VisibleFn& visible, const BiasFn& bias, long double softcap = 0) {
+  const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
+  const Mat<float> qf = qd.cast<float>(), kf = kd.cast<float>(), vf = vd.cast<float>();
+  const auto gold = referenceAttention<long double>(qd, kd, vd, tau, visible, bias, softcap);
+  const auto naive = referenceAttention<float>(qd, kd, vd, tau, visible, bias, softcap);
+  const Mat<double> goldOut = gold.output.template cast<double>();
+  const Vec<double> goldLse = gold.logSumExp.template cast<double>();
+  const double outScale = maxAbs(goldOut), lseScale = maxFinite(goldLse);
+  const double outBound = errorBound<float>(maxAbsDiff(naive.output, goldOut), outScale, lseScale);
+  const double lseBound = errorBound<float>(maxAbsDiff(naive.logSumExp, goldLse), lseScale);
+  forEachIsa([&](Isa isa) {
+    for (const kernel::Tiled& kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
+      INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+      const auto f = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
+      CHECK(maxAbsDiff(f.output, goldOut) <= outBound);
+      CHECK(maxAbsDiff(f.logSumExp, goldLse) <= lseBound);
+      for (Index i = 0; i < goldLse.size(); ++i)
+        if (std::isinf(goldLse(i))) {
+          CHECK(f.logSumExp(i) == -std::numeric_limits<float>::infinity());
+          CHECK((f.output.row(i).array() == 0.0f).all());
+        }
+      if (isa != Isa::Portable) {
+        // A last block of at most 4 rows is decoding (its own half and float paths).
+        const Index tail = kern.blockQ > 0 && q.rows() % kern.blockQ <= 4 ? q.rows() % kern.blockQ : 0;
+        const Index rows = q.rows() - tail;
+        const auto inFloat = sdpa::attentionForward(kern, qf, kf, vf, scale, mask);
+        CHECK(f.output.topRows(rows) == inFloat.output.topRows(rows));
+        CHECK(f.logSumExp.head(rows) == inFloat.logSumExp.head(rows));
+      }
+      const auto h = sdpa::attentionForward(kern, q, k, v, scale, mask);
+      STATIC_REQUIRE(std::is_same_v<typename decltype(h.output)::Scalar, H>);
+      CHECK(maxAbsDiff(fromHalf(h.output), goldOut) <= outBound + unitRoundoff<H>() * outScale);
     }
   });
 }
@@ -88,7 +146,7 @@ TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference
 TEST_CASE("the AVX2 and AVX-512 paths give the same bits", "[tiled][isa]") {
   // Each lane (query row) computes the same operations in the same order on both: the same
   // fused multiply-adds of the products, the same exp, the same running sums.
-  if (IsaChoice::detected() != Isa::Avx512) {
+  if (IsaChoice::detected() < Isa::Avx512) {
     WARN("this CPU has no AVX-512: nothing to compare");
     return;
   }
@@ -96,7 +154,7 @@ TEST_CASE("the AVX2 and AVX-512 paths give the same bits", "[tiled][isa]") {
   const auto causal = mask::Causal{Align::LowerRight};
   IsaChoice::setCap(Isa::Avx2);
   const auto a = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
-  IsaChoice::setCap(Isa::Avx512);
+  IsaChoice::setCap(Isa::Avx512Bf16);
   const auto b = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
   CHECK(a.output == b.output);
   CHECK(a.logSumExp == b.logSumExp);
@@ -202,4 +260,169 @@ TEST_CASE("the float prefill kernel's exp and exp2 are within 1.1 ulp, exactly 0
       }
     }
   });
+}
+
+TEMPLATE_TEST_CASE("half and bfloat16 inputs take the fast float kernel on every ISA path  [seed C1]",
+                   "[tiled][isa][half]", Eigen::half, Eigen::bfloat16) {
+  using H = TestType;
+  std::uint64_t seed = 5200;
+  const std::vector<Shape> shapes = {{67, 45, 16, 16}, {130, 257, 64, 64}, {33, 300, 100, 37}};
+  for (const Shape& s : shapes) {
+    INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
+    const Mat<H> q = toHalf<H>(randn<float>(s.nQ, s.dK, ++seed)), k = toHalf<H>(randn<float>(s.nK, s.dK, ++seed)),
+                 v = toHalf<H>(randn<float>(s.nK, s.dV, ++seed));
+    const Mat<float> bias = randn<float>(s.nQ, s.nK, ++seed, 4.0);
+    const long double tau = 1.0L / std::sqrt((long double)s.dK);
+    const Index L = s.nQ, S = s.nK;
+    checkHalfEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
+    checkHalfEveryIsa(q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
+    checkHalfEveryIsa(q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)1.5f, allVisible(), noBias());
+    checkHalfEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+        [=](Index i, Index j) { return j <= i + S - L; }, noBias());
+    checkHalfEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+        [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
+    checkHalfEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{},
+        mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
+        [](Index i, Index j) { return j <= i; },
+        [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+    checkHalfEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
+                      [&](Index i, Index j) { return (long double)bias(i, j); });
+    // Rows past the query length see nothing: 0 and -inf.
+    checkHalfEveryIsa(
+        q, k, v, sdpa::scale::InvSqrtDk{}, mask::QueryLength{s.nQ - 3}, tau, [=](Index i, Index) { return i < L - 3; },
+        noBias());
+  }
+  // GQA heads and a batch: each (item, kv head)'s k and v converted once, shared by its query
+  // heads; bitwise the float kernel's result on the converted inputs.
+  const Index nQ = 50, nK = 90, d = 24;
+  const Mat<H> q = toHalf<H>(randn<float>(2 * nQ, 4 * d, 71)), k = toHalf<H>(randn<float>(2 * nK, 2 * d, 72)),
+               v = toHalf<H>(randn<float>(2 * nK, 2 * d, 73));
+  const auto batch = sdpa::BatchLayout::varlen({0, nQ, 2 * nQ}, {0, nK, 2 * nK});
+  const Mat<float> qf = q.template cast<float>(), kf = k.template cast<float>(), vf = v.template cast<float>();
+  forEachIsa([&](Isa isa) {
+    if (isa == Isa::Portable) return;
+    const auto h = sdpa::batchedAttentionForward<float>(q, k, v, batch, sdpa::Heads{4, 2}, sdpa::scale::InvSqrtDk{},
+                                                        mask::Causal{Align::LowerRight});
+    const auto f = sdpa::batchedAttentionForward(qf, kf, vf, batch, sdpa::Heads{4, 2}, sdpa::scale::InvSqrtDk{},
+                                                 mask::Causal{Align::LowerRight});
+    CHECK(h.output == f.output);
+    CHECK(h.logSumExp == f.logSumExp);
+  });
+}
+
+TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-7 sum_j P_ij |v_jc|, else Fp32",
+                   "[tiled][isa][half]", Eigen::half, Eigen::bfloat16) {
+  // With AVX512_BF16, q, k, v are the bf16 values of the inputs (fp16 rounded to nearest even)
+  // and the weights P are rounded to bf16 for P v: each product moves by at most u = 2^-8 of
+  // P_ij |v_jc|, and the row sum stays fp32, so a plain computation that rounds P so has error
+  // up to u sum_j P_ij |v_jc| over the float one; the rule allows twice that. Without
+  // AVX512_BF16 (or capped below it) the option changes nothing: bitwise Products::Fp32.
+  using H = TestType;
+  const double u = std::ldexp(1.0, -8);
+  const kernel::Products bf16 = kernel::Products::Bf16;
+  std::uint64_t seed = 5300;
+  const std::vector<Shape> shapes = {{67, 45, 16, 16}, {130, 257, 64, 64}, {33, 301, 99, 37}};
+  for (const Shape& s : shapes) {
+    INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
+    const Mat<H> q = toHalf<H>(randn<float>(s.nQ, s.dK, ++seed)), k = toHalf<H>(randn<float>(s.nK, s.dK, ++seed)),
+                 v = toHalf<H>(randn<float>(s.nK, s.dV, ++seed));
+    // The oracle on the values the products see.
+    const Mat<double> qd = fromHalf(toHalf<Eigen::bfloat16>(q.template cast<float>())),
+                      kd = fromHalf(toHalf<Eigen::bfloat16>(k.template cast<float>())),
+                      vd = fromHalf(toHalf<Eigen::bfloat16>(v.template cast<float>()));
+    const Index L = s.nQ, S = s.nK;
+    const auto check = [&](const auto& scale, const auto& m, long double tau, const VisibleFn& visible,
+                           const BiasFn& bias, long double softcap) {
+      const auto gold = referenceAttention<long double>(qd, kd, vd, tau, visible, bias, softcap);
+      const auto naive = referenceAttention<float>(qd, kd, vd, tau, visible, bias, softcap);
+      const Mat<double> absV = vd.cwiseAbs();
+      const Mat<double> weighted = referenceAttention<long double>(qd, kd, absV, tau, visible, bias, softcap)
+                                       .output.template cast<double>();  // sum_j P_ij |v_jc|
+      const Mat<double> goldOut = gold.output.template cast<double>();
+      const Vec<double> goldLse = gold.logSumExp.template cast<double>();
+      const double outScale = maxAbs(goldOut), lseScale = maxFinite(goldLse);
+      const double outBound = errorBound<float>(maxAbsDiff(naive.output, goldOut), outScale, lseScale);
+      const double lseBound = errorBound<float>(maxAbsDiff(naive.logSumExp, goldLse), lseScale);
+      forEachIsa(
+          [&](Isa isa) {
+            for (const kernel::Tiled& kern : {kernel::Tiled{0, 0, bf16}, kernel::Tiled{7, 33, bf16}}) {
+              INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+              const auto f = sdpa::attentionForward<float>(kern, q, k, v, scale, m);
+              if (isa == Isa::Avx512Bf16) {
+                double worst = 0;  // the largest error over its bound, entry by entry
+                for (Index c = 0; c < goldOut.cols(); ++c)
+                  for (Index i = 0; i < goldOut.rows(); ++i) {
+                    const double e = std::abs(double(f.output(i, c)) - goldOut(i, c));
+                    worst = std::max(worst, e / (outBound + 2 * u * weighted(i, c)));
+                  }
+                CHECK(worst <= 1.0);
+                CHECK(maxAbsDiff(f.logSumExp, goldLse) <= lseBound);
+                CHECK(f.output.allFinite());
+              } else {
+                const auto plain =
+                    sdpa::attentionForward<float>(kernel::Tiled{kern.blockQ, kern.blockK}, q, k, v, scale, m);
+                CHECK(f.output == plain.output);
+                CHECK(f.logSumExp == plain.logSumExp);
+              }
+            }
+          },
+          true);
+    };
+    const long double tau = 1.0L / std::sqrt((long double)s.dK);
+    check(sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias(), 0);
+    check(sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias(), 0);
+    check(
+        sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+        [=](Index i, Index j) { return j <= i + S - L; }, noBias(), 0);
+    check(
+        sdpa::scale::InvSqrtDk{},
+        mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
+        [](Index i, Index j) { return j <= i; },
+        [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+  }
+}
+
+TEST_CASE("special values in the bf16 dot-product kernel follow the general kernel's rules", "[tiled][isa][nan]") {
+  if (IsaChoice::detected() < Isa::Avx512Bf16) {
+    WARN("this CPU has no AVX512_BF16: the bf16 dot-product kernel does not run here");
+    return;
+  }
+  using B = Eigen::bfloat16;
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const kernel::Tiled kern{0, 0, kernel::Products::Bf16};
+  const Index nQ = 40, nK = 70, d = 16;
+  const Mat<B> q = toHalf<B>(randn<float>(nQ, d, 11)), k = toHalf<B>(randn<float>(nK, d, 12)),
+               v = toHalf<B>(randn<float>(nK, 5, 13));
+  // NaN and inf at hidden keys: the tile that holds them takes the zero-skipping fp32 product,
+  // so the output moves by no more than the bf16 rounding of P (2^-8 max|v|); no NaN.
+  const mask::KeyLength keys{60};
+  const auto clean = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, keys);
+  Mat<B> kBad = k, vBad = v;
+  kBad.bottomRows(10).setConstant(B(nan));
+  vBad.bottomRows(10).setConstant(B(inf));
+  const auto dirty = sdpa::attentionForward<float>(kern, q, kBad, vBad, sdpa::scale::InvSqrtDk{}, keys);
+  CHECK(dirty.output.allFinite());
+  CHECK(maxAbsDiff(dirty.output, clean.output) <= std::ldexp(1.0, -8) * maxAbs(fromHalf(v)));
+  CHECK(dirty.logSumExp == clean.logSumExp);
+  // A NaN bias at a visible position makes its row NaN; the other rows keep their bits.
+  Mat<float> bias = Mat<float>::Zero(nQ, nK);
+  const auto plain = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias});
+  bias(7, 3) = nan;
+  const auto poisoned = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias});
+  for (Index i = 0; i < nQ; ++i) {
+    INFO("row " << i);
+    if (i == 7) {
+      CHECK(poisoned.output.row(i).array().isNaN().all());
+    } else {
+      CHECK(poisoned.output.row(i) == plain.output.row(i));
+      CHECK(poisoned.logSumExp(i) == plain.logSumExp(i));
+    }
+  }
+  // Every key hidden from some rows: output 0 and logSumExp -inf there.
+  const auto none = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::QueryLength{30});
+  CHECK((none.output.bottomRows(10).array() == 0.0f).all());
+  CHECK((none.logSumExp.tail(10).array() == -inf).all());
 }

@@ -37,15 +37,6 @@ void withThreads(int n, F&& f) {
 #endif
 }
 
-template <typename H>
-Mat<H> toHalf(const Mat<float>& x) {
-  return x.cast<H>();
-}
-template <typename H>
-Mat<double> fromHalf(const Mat<H>& x) {
-  return x.template cast<float>().template cast<double>();
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("tiled forward matches the fp64 reference for d_k up to 256 and awkward n  [seed C1]",

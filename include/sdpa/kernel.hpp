@@ -24,6 +24,23 @@ struct Naive {
 };
 
 /**
+ * \brief What the tiled kernel's tile products compute in, for half-precision (bfloat16, half)
+ * inputs. Float and double inputs always multiply in their own precision.
+ */
+enum class Products {
+  /// The inputs' values (exact in fp32) multiplied and summed in fp32, the attention weights P
+  /// fp32 too: the float kernel's accuracy (the FlashAttention rule of the float computation).
+  Fp32,
+  /// On a CPU with AVX512_BF16, bf16 dot products (`vdpbf16ps`: two bf16 products added into each
+  /// fp32 lane), fp16 inputs rounded to bf16 (8 significant bits of their 11), and the weights P
+  /// rounded to bf16 for the product P v: each output moves by at most 2^-8 sum_j P_ij |v_jc|
+  /// more (docs/NUMERICS.md), as in PyTorch's bf16 CPU attention. The logits, the softmax and
+  /// the accumulation stay fp32. Elsewhere, Fp32. Faster only where the CPU runs `vdpbf16ps` at
+  /// least at fp32 FMA's instruction rate (docs/PERFORMANCE.md: not every AVX512_BF16 CPU does).
+  Bf16,
+};
+
+/**
  * \brief FlashAttention-2 style tiled kernel: blocks of query rows stream blocks of keys and
  * values with an online softmax; never materialises n_q x n_k (memory O(threads x blockQ x
  * blockK)); skips tiles a mask hides entirely; threads with OpenMP over (batch item, head, query
@@ -32,8 +49,9 @@ struct Naive {
  */
 struct Tiled {
   static constexpr bool IsKernel = true;
-  Index blockQ = 0;  ///< query rows per block, 0 = automatic
-  Index blockK = 0;  ///< keys per block, 0 = automatic
+  Index blockQ = 0;                    ///< query rows per block, 0 = automatic
+  Index blockK = 0;                    ///< keys per block, 0 = automatic (Products::Bf16 rounds an odd one up)
+  Products products = Products::Fp32;  ///< what half-precision inputs are multiplied in
 };
 
 /// True for the kernels above.

@@ -463,6 +463,27 @@ void runForward(const char* what, const Kernel& kern, const Case& c) {
 /// fma, inf as a product then a sum), which differ between the naive and the tiled kernel and
 /// between builds. The forward excuses such a row of the tiled kernel (Rounding::largestTerm);
 /// the backward, whose dk, dv and dL/dtau mix every row, excuses the case.
+/// Half-precision inputs (H) on the tiled kernel's fast path (Products::Fp32: k and v converted
+/// to float once per call): bitwise the float kernel on the converted inputs, every policy and
+/// mask, for the rows the fast kernel computes (a block of at most 4 rows is decoding).
+template <typename H>
+void runHalfForward(const char* what, const sdpa::kernel::Tiled& kern, const Case& c) {
+  const Mat<H> q = c.q.cast<float>().cast<H>(), k = c.k.cast<float>().cast<H>(), v = c.v.cast<float>().cast<H>();
+  const Mat<float> qF = q.template cast<float>(), kF = k.template cast<float>(), vF = v.template cast<float>();
+  const Mat<float> bias = c.bias.cast<float>();
+  const Index bq = sdpa::internal::tileSizes(kern, c.dK, c.dV).q;
+  const Index tail = c.nQ % bq <= 4 ? c.nQ % bq : 0, rows = bq <= 4 ? 0 : c.nQ - tail;
+  withPolicies<float>(c, bias, [&](const auto& scale, const auto& mask, const VisibleFn&, const BiasFn&, long double) {
+    const auto h = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
+    const auto f = sdpa::attentionForward(kern, qF, kF, vF, scale, mask);
+    const auto same = [](const auto& a, const auto& b) {
+      return (a.array() == b.array() || (a.array().isNaN() && b.array().isNaN())).all();
+    };
+    if (!same(h.output.topRows(rows), f.output.topRows(rows)) || !same(h.logSumExp.head(rows), f.logSumExp.head(rows)))
+      fail(what, "differs from the float kernel on the converted inputs; " + c.describe());
+  });
+}
+
 template <typename T>
 bool productsNearOverflow(const Case& c, long double tau, const VisibleFn& vis) {
   const double half = 0.5 * double(std::numeric_limits<T>::max()), widen = std::max(1.0, std::abs(double(tau)));
@@ -718,8 +739,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         IsaChoice::setCap(cap);
         const char* isa = cap == Isa::Avx512 ? ", AVX-512" : cap == Isa::Avx2 ? ", AVX2" : ", portable";
         runForward<float>(("forward tiled float" + blocks + isa).c_str(), tiled, c);
+        if (cap != Isa::Portable) {
+          runHalfForward<Eigen::bfloat16>(("forward tiled bfloat16" + blocks + isa).c_str(), tiled, c);
+          runHalfForward<Eigen::half>(("forward tiled half" + blocks + isa).c_str(), tiled, c);
+        }
       }
-      IsaChoice::setCap(Isa::Avx512);
+      IsaChoice::setCap(Isa::Avx512Bf16);
       runForward<double>(("forward tiled double" + blocks).c_str(), tiled, c);
     }
     if (target() != Target::Forward) {

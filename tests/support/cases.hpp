@@ -6,12 +6,30 @@
 #include <cmath>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "catch.hpp"
 #include "reference.hpp"
 
 namespace sdpa_test {
+
+/// x rounded to H (Eigen::half or Eigen::bfloat16), and H's values back, exactly.
+template <typename H>
+Mat<H> toHalf(const Mat<float>& x) {
+  return x.cast<H>();
+}
+template <typename H>
+Mat<double> fromHalf(const Mat<H>& x) {
+  return x.template cast<float>().template cast<double>();
+}
+
+/// The unit roundoff of a half type's storage: 2^-11 (half), 2^-8 (bfloat16). Not
+/// NumTraits<half>::epsilon(), which is 2^-13 in Eigen 3.4.
+template <typename H>
+double unitRoundoff() {
+  return std::is_same_v<H, Eigen::half> ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+}
 
 struct Shape {
   Index nQ, nK, dK, dV;

@@ -16,13 +16,19 @@
 
 namespace sdpa::internal {
 
-/// The instruction sets the fp32 tile kernels are built for, best last.
-enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2 };
+/// The instruction sets the tile kernels are built for, best last. Avx512Bf16 runs the fp32
+/// kernels of Avx512 and adds the bf16 dot-product kernel for bf16 (and, where allowed, fp16)
+/// inputs.
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
-/// What this CPU runs: AVX-512 (F, with FMA) or AVX2 + FMA, else the portable path.
+/// What this CPU runs: AVX-512 (F, with FMA; with BW, VL and BF16 the bf16 kernel too) or AVX2 +
+/// FMA, else the portable path.
 inline Isa detectIsa() {
 #if SDPA_HAS_ISA_DISPATCH
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"))
+    return Isa::Avx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return Isa::Avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
 #endif
@@ -30,8 +36,8 @@ inline Isa detectIsa() {
 }
 
 /// The ISA a kernel uses: detected once, capped by the environment variable SDPA_ISA
-/// (`portable`, `avx2`, `avx512`: to measure or test a slower path on a faster machine) and by
-/// setIsaCap (tests). Never above what the CPU supports.
+/// (`portable`, `avx2`, `avx512`, `avx512bf16`: to measure or test a slower path on a faster
+/// machine) and by setCap (tests). Never above what the CPU supports.
 class IsaChoice {
  public:
   static Isa current() {
@@ -50,6 +56,7 @@ class IsaChoice {
       if (std::strcmp(env, "portable") == 0) want = Isa::Portable;
       if (std::strcmp(env, "avx2") == 0) want = Isa::Avx2;
       if (std::strcmp(env, "avx512") == 0) want = Isa::Avx512;
+      if (std::strcmp(env, "avx512bf16") == 0) want = Isa::Avx512Bf16;
       return int(want) < int(cpu) ? want : cpu;
     }();
     return isa;
@@ -57,7 +64,7 @@ class IsaChoice {
 
  private:
   static std::atomic<int>& capSlot() {
-    static std::atomic<int> cap{int(Isa::Avx512)};
+    static std::atomic<int> cap{int(Isa::Avx512Bf16)};
     return cap;
   }
 };

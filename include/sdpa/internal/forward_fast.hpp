@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../mask.hpp"
 #include "../softmax.hpp"
@@ -76,6 +79,7 @@ constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
 #undef SDPA_FAST_KEYS
 #undef SDPA_FAST_COLS
 // clang-format on
+#include "forward_fast_bf16.inc"
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -97,7 +101,7 @@ inline bool available() {
  */
 inline void expArray(bool base2, const float* x, float* y, Index n) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (IsaChoice::current() == Isa::Avx512)
+  if (IsaChoice::current() >= Isa::Avx512)
     return base2 ? avx512::expArray<true>(x, y, n) : avx512::expArray<false>(x, y, n);
   if (IsaChoice::current() == Isa::Avx2) return base2 ? avx2::expArray<true>(x, y, n) : avx2::expArray<false>(x, y, n);
 #endif
@@ -105,15 +109,19 @@ inline void expArray(bool base2, const float* x, float* y, Index n) {
     y[i] = base2 ? (x[i] > kExp2Cut ? std::exp2(x[i]) : 0.0f) : (x[i] > kExpCut<float> ? std::exp(x[i]) : 0.0f);
 }
 
-/// Largest |x| over the finite entries of m (0 if none).
+/// Largest |x| over the finite entries of m (0 if none); allFinite: whether every entry is finite.
 template <typename D>
-float maxFiniteAbs(const Eigen::MatrixBase<D>& m) {
+float maxFiniteAbs(const Eigen::MatrixBase<D>& m, bool& allFinite) {
   float r = 0.0f;
+  bool all = true;
   for (Index c = 0; c < m.cols(); ++c)
     for (Index i = 0; i < m.rows(); ++i) {
       const float x = std::abs(float(m(i, c)));
-      if (x <= std::numeric_limits<float>::max()) r = std::max(r, x);
+      const bool finite = x <= std::numeric_limits<float>::max();  // false for inf and NaN
+      r = finite ? std::max(r, x) : r;
+      all = all && finite;
     }
+  allFinite = all;
   return r;
 }
 
@@ -133,10 +141,11 @@ template <typename DQ, typename DK>
 LogitBounds logitBounds(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, float tau) {
   if (q.size() == 0 || k.size() == 0) return {true, true};
   constexpr double log2e = 1.4426950408889634, limit = 0.25 * double(std::numeric_limits<float>::max());
-  const double qMax = double(maxFiniteAbs(q)) * std::abs(double(tau)), kMax = double(maxFiniteAbs(k));
+  bool qFinite = false, kFinite = false;
+  const double qMax = double(maxFiniteAbs(q, qFinite)) * std::abs(double(tau)), kMax = double(maxFiniteAbs(k, kFinite));
   const double bound = double(q.cols()) * qMax * kMax;
   LogitBounds b;
-  b.bounded = bound < limit && allFiniteVectorised(q) && allFiniteVectorised(k);
+  b.bounded = bound < limit && qFinite && kFinite;
   b.base2 = bound * log2e < limit && qMax * log2e < limit;
   return b;
 }
@@ -148,18 +157,82 @@ LogitBounds logitBounds(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
  * finite, fma(0, v, a) = a, so the result is bitwise that of the same inputs with finite values
  * there (a NaN at a hidden key leaves the output unchanged, to the bit).
  */
-inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const Index* begin, const Index* end,
-                                Index group, const float* v, Index vRs, Index vCs, Index dV, float* accT) {
+template <typename T>
+void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const Index* begin, const Index* end,
+                         Index group, const T* v, Index vRs, Index vCs, Index dV, float* accT) {
   for (Index c = 0; c < dV; ++c)
     for (Index i = 0; i < bq; ++i) {
       float a = 0.0f;
       const Index jb = begin ? begin[i / group] : 0, je = end ? end[i / group] : bk;
       for (Index j = jb; j < je; ++j) {
         const float p = pT[j * lanes + i];
-        if (p != 0.0f) a = std::fma(p, v[j * vRs + c * vCs], a);
+        if (p != 0.0f) a = std::fma(p, float(v[j * vRs + c * vCs]), a);
       }
       accT[c * lanes + i] += a;
     }
+}
+
+/// The bf16 bits of x: exact for bfloat16, rounded to nearest even for half (AllowFp16).
+inline std::uint32_t bf16Bits(Eigen::bfloat16 x) { return Eigen::numext::bit_cast<std::uint16_t>(x); }
+inline std::uint32_t bf16Bits(Eigen::half x) {
+  return Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(float(x)));
+}
+/// Whether bf16 bits encode inf or NaN (every exponent bit set).
+inline bool bf16NotFinite(std::uint32_t bits) { return (bits & 0x7f80u) == 0x7f80u; }
+
+/**
+ * K and V of one (batch item, kv head) in the bf16 kernel's pair layouts (forward_fast_bf16.inc),
+ * packed once per call and read by every query block: kP ceil(d_k / 2) x n_k, vP d_v x
+ * ceil(n_k / 2), and for each key tile of `bk` keys whether its values are all finite.
+ */
+struct Bf16Head {
+  const std::uint32_t* kP = nullptr;
+  const std::uint32_t* vP = nullptr;
+  const unsigned char* vFinite = nullptr;
+  Index nK = 0, bk = 0;
+};
+
+/**
+ * k (n_k x d_k) and v (n_k x d_v), bfloat16 or half, converted (exactly) to float once per call
+ * into `kF` (n_k x d_k) and `vF` (n_k x d_v), column-major: the fp32 kernel's inputs for
+ * Products::Fp32.
+ */
+template <typename DK, typename DV>
+void convertHead(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, float* kF, float* vF) {
+  Eigen::Map<Matrix<float>>(kF, k.rows(), k.cols()) = k.template cast<float>();
+  Eigen::Map<Matrix<float>>(vF, v.rows(), v.cols()) = v.template cast<float>();
+}
+
+/// Words a Bf16Head of these dimensions takes (its finite flags counted in words too).
+inline Index bf16HeadWords(Index nK, Index dK, Index dV, Index bk) {
+  const Index tiles = (nK + bk - 1) / bk;
+  return (dK + 1) / 2 * nK + dV * ((nK + 1) / 2) + (tiles + 3) / 4;
+}
+
+/// Packs k (n_k x d_k) and v (n_k x d_v), bfloat16 or half, into `words` (bf16HeadWords).
+template <typename DK, typename DV>
+Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Index bk, std::uint32_t* words) {
+  const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), dK2 = (dK + 1) / 2, nK2 = (nK + 1) / 2;
+  std::uint32_t* kP = words;
+  std::uint32_t* vP = kP + dK2 * nK;
+  auto* finite = reinterpret_cast<unsigned char*>(vP + dV * nK2);
+  for (Index c2 = 0; c2 < dK2; ++c2) {
+    std::uint32_t* row = kP + c2 * nK;
+    for (Index j = 0; j < nK; ++j) row[j] = bf16Bits(k(j, 2 * c2));
+    if (2 * c2 + 1 < dK)
+      for (Index j = 0; j < nK; ++j) row[j] |= bf16Bits(k(j, 2 * c2 + 1)) << 16;
+  }
+  const Index tiles = (nK + bk - 1) / bk;
+  std::fill(finite, finite + tiles, static_cast<unsigned char>(1));
+  for (Index c = 0; c < dV; ++c) {
+    std::uint32_t* col = vP + c * nK2;
+    for (Index j2 = 0; j2 < nK2; ++j2) {
+      const std::uint32_t lo = bf16Bits(v(2 * j2, c)), hi = 2 * j2 + 1 < nK ? bf16Bits(v(2 * j2 + 1, c)) : 0u;
+      col[j2] = lo | (hi << 16);
+      if (bf16NotFinite(lo) || bf16NotFinite(hi)) finite[2 * j2 / bk] = 0;  // bk is even: one tile a pair
+    }
+  }
+  return {kP, vP, finite, nK, bk};
 }
 
 /// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
@@ -167,6 +240,7 @@ inline void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk
 struct Scratch {
   Buffer<float> qT, sT, accT, max, sum, top, bad;
   Buffer<Index> keyBegin, keyEnd;
+  Buffer<std::uint32_t> qP, pP;  // the bf16 kernel's q^T and weights, in pairs
   static Scratch& thread() {
     thread_local Scratch scratch;
     return scratch;
@@ -179,17 +253,25 @@ struct Scratch {
  * forward_tiled_impl's stream + finish on such inputs. `bounds` (logitBounds of the head): where
  * a logit may overflow, the tiles are checked and a row that meets a NaN or +inf logit is NaN
  * (the general kernel's rule); where they allow it and the mask only hides, base-2 tiles.
+ * Float k and v take fp32 products (`fold`: tau folded into q), q float or half (converted,
+ * exactly, block by block). bfloat16 or half k and v (packed in `bf`, bk even) take the bf16
+ * products, tau applied to the fp32 logits. Everything after the logits is the same code.
  */
 template <typename DQ, typename DK, typename DV, typename Mask, typename DOut, typename DLse>
 void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                   float tau, bool fold, LogitBounds bounds, const Mask& mask, Index head, Index i0, Index bq, Index bk,
-                  const Eigen::MatrixBase<DOut>& out_, const Eigen::MatrixBase<DLse>& lse_) {
+                  const Eigen::MatrixBase<DOut>& out_, const Eigen::MatrixBase<DLse>& lse_,
+                  const Bf16Head* bf = nullptr) {
 #if SDPA_HAS_ISA_DISPATCH
+  using In = typename DK::Scalar;  // k and v's: what the products take
+  constexpr bool Bf16 = !std::is_same_v<In, float>;
+  static_assert(!Bf16 || std::is_same_v<In, Eigen::bfloat16> || std::is_same_v<In, Eigen::half>,
+                "the fast kernel takes float, bfloat16 or half k and v");
   auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
   auto& lse = const_cast<Eigen::MatrixBase<DLse>&>(lse_);
   const Isa isa = IsaChoice::current();
   const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
-  const Index step = isa == Isa::Avx512 ? avx512::L : avx2::L;
+  const Index step = isa >= Isa::Avx512 ? avx512::L : avx2::L;
   const Index lanes = (bq + step - 1) / step * step;
   Scratch& sc = Scratch::thread();
   // Base-2 tiles: where the mask only hides (it commutes with scaling), log2(e) joins the scale
@@ -199,15 +281,32 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   const bool base2 = mask::internal::OnlyHides<Mask>::value && bounds.base2;
   const float unit = base2 ? 1.44269504088896341f : 1.0f;
   // q^T (d_k x lanes), the scale folded in where foldsScaleIntoQuery says so; lanes past bq are
-  // 0 (their logits are 0, never read back).
-  float* qT = sc.qT.get(dK * lanes);
+  // 0 (their logits are 0, never read back). The bf16 kernel's q^T holds pairs of q's own bf16
+  // values (ceil(d_k / 2) x lanes, a missing partner 0) and its products apply the scale.
+  if constexpr (Bf16) fold = true;  // the logits leave the products scaled
   const float qScale = fold ? tau * unit : 1.0f, tileScale = fold ? 1.0f : tau * unit;
-  for (Index c = 0; c < dK; ++c) {
-    float* row = qT + c * lanes;
-    for (Index i = 0; i < bq; ++i) row[i] = qScale == 1.0f ? q(i0 + i, c) : qScale * q(i0 + i, c);
-    std::fill(row + bq, row + lanes, 0.0f);
+  float* qT = nullptr;
+  std::uint32_t* qP = nullptr;
+  const Index dK2 = (dK + 1) / 2;
+  if constexpr (Bf16) {
+    qP = sc.qP.get(dK2 * lanes);
+    for (Index c2 = 0; c2 < dK2; ++c2) {
+      std::uint32_t* row = qP + c2 * lanes;
+      for (Index i = 0; i < bq; ++i) row[i] = bf16Bits(q(i0 + i, 2 * c2));
+      if (2 * c2 + 1 < dK)
+        for (Index i = 0; i < bq; ++i) row[i] |= bf16Bits(q(i0 + i, 2 * c2 + 1)) << 16;
+      std::fill(row + bq, row + lanes, 0u);
+    }
+  } else {
+    qT = sc.qT.get(dK * lanes);
+    for (Index c = 0; c < dK; ++c) {
+      float* row = qT + c * lanes;
+      for (Index i = 0; i < bq; ++i) row[i] = qScale == 1.0f ? float(q(i0 + i, c)) : qScale * float(q(i0 + i, c));
+      std::fill(row + bq, row + lanes, 0.0f);
+    }
   }
   float* sT = sc.sT.get(bk * lanes);
+  std::uint32_t* pP = Bf16 ? sc.pP.get((bk + 1) / 2 * lanes) : nullptr;
   float* accT = sc.accT.get(dV * lanes);
   float* m = sc.max.get(lanes);
   float* l = sc.sum.get(lanes);
@@ -217,8 +316,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   std::fill(accT, accT + dV * lanes, 0.0f);
   std::fill(m, m + lanes, -std::numeric_limits<float>::infinity());
   std::fill(l, l + lanes, 0.0f);
-  const float* kData = k.derived().data();
-  const float* vData = v.derived().data();
+  const In* kData = k.derived().data();
+  const In* vData = v.derived().data();
   const Index kRs = k.derived().rowStride(), kCs = k.derived().colStride();
   const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
   // A partial tile's corners: per lane group, the keys outside [begin, end) hidden from all its
@@ -253,10 +352,13 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     // apply, no scale to multiply by.
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
-    if (isa == Isa::Avx512)
+    if constexpr (Bf16) {
+      avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, nK, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
+    } else if (isa >= Isa::Avx512) {
       avx512::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
-    else
+    } else {
       avx2::logits(qT, lanes, dK, kData + j0 * kRs, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
+    }
     // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
     Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
     // Entries out of range are hidden and never read by the softmax; the scale and a mask that
@@ -273,7 +375,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
     const bool checked = !bounds.bounded || t == mask::Tile::Partial;
     const float* tileMax = plain ? top : nullptr;
-    if (isa == Isa::Avx512) {
+    if (isa >= Isa::Avx512) {
       if (base2)
         avx512::softmaxTile<true>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
       else
@@ -284,13 +386,20 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       else
         avx2::softmaxTile<false>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
     }
-    if (allFiniteVectorised(v.middleRows(j0, cols))) {
-      if (isa == Isa::Avx512)
-        avx512::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
-      else
-        avx2::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
-    } else {
+    bool finiteValues;
+    if constexpr (Bf16)
+      finiteValues = bf->vFinite[j0 / bk] != 0;
+    else
+      finiteValues = allFiniteVectorised(v.middleRows(j0, cols));
+    if (!finiteValues) {
       valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, vData + j0 * vRs, vRs, vCs, dV, accT);
+    } else if constexpr (Bf16) {
+      avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
+      avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, (nK + 1) / 2, dV, accT);
+    } else if (isa >= Isa::Avx512) {
+      avx512::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
+    } else {
+      avx2::values(sT, lanes, {rb, re, cols}, vData + j0 * vRs, vRs, vCs, dV, accT);
     }
   }
   // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.
@@ -303,13 +412,14 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     lse(i) = bad[i] != 0.0f ? nan : m[i] == minusInf ? minusInf : top + std::log(l[i]);
     r[i] = bad[i] != 0.0f ? nan : m[i] == minusInf ? 0.0f : 1.0f / l[i];
   }
+  using OutScalar = typename DOut::Scalar;
   for (Index c = 0; c < dV; ++c) {
     const float* a = accT + c * lanes;
-    for (Index i = 0; i < bq; ++i) out(i, c) = bad[i] != 0.0f ? nan : r[i] * a[i];
+    for (Index i = 0; i < bq; ++i) out(i, c) = OutScalar(bad[i] != 0.0f ? nan : r[i] * a[i]);
   }
 #else
   (void)q, (void)k, (void)v, (void)tau, (void)fold, (void)bounds, (void)mask, (void)head, (void)i0, (void)bq, (void)bk;
-  (void)out_, (void)lse_;
+  (void)out_, (void)lse_, (void)bf;
 #endif
 }
 

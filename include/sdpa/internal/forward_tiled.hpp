@@ -391,30 +391,97 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
   const int threads = maxThreads();
 
-  // The fp32 prefill kernel (forward_fast.hpp), without dropout. Per pair, what the magnitudes
-  // of its q, k and tau allow (logitBounds: O(n d) once, against the pair's O(n_q n_k d)).
+  // The fast prefill kernels (forward_fast.hpp), without dropout, for float and for bfloat16 or
+  // half inputs (kernel.products: fp32 products of k and v converted once per call, or bf16
+  // products of k and v packed in pairs once per call, on a CPU with AVX512_BF16). Per pair,
+  // what the magnitudes of its q, k and tau allow (logitBounds: O(n d) once, against the pair's
+  // O(n_q n_k d)).
+  constexpr bool kFloat = std::is_same_v<In, float> && std::is_same_v<Out, float>;
+  constexpr bool kHalf = (std::is_same_v<In, Eigen::bfloat16> ||
+                          std::is_same_v<In, Eigen::half>)&&(std::is_same_v<Out, float> || std::is_same_v<Out, In>);
+  const bool useFast = (kFloat || kHalf) && fast::available() && !dropout.enabled();
+  const bool useBf16 =
+      kHalf && useFast && kernel.products == kernel::Products::Bf16 && IsaChoice::current() == Isa::Avx512Bf16;
+  // bf16 pairs never straddle two key tiles: an even tile length.
+  const Index bk = useBf16 ? tile.k + (tile.k & 1) : tile.k;
   std::vector<fast::LogitBounds> bounds;
-  if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {
-    if (fast::available() && !dropout.enabled()) {
-      bounds.resize(pairs.size());
+  // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
+  // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
+  // (fresh pages cost more than the conversion).
+  std::vector<fast::Bf16Head> bf16;
+  std::vector<const float*> kF, vF;
+  if (useFast) {
+    bounds.resize(pairs.size());
+    for (size_t p = 0; p < pairs.size(); ++p) {
+      const ItemHead& u = pairs[p];
+      bounds[p] = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+                                    k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+                                    headScale(scale, u.head).template value<float>(dims.dK));
+    }
+    if constexpr (kHalf) {
+      // The pairs that share an (item, kv head) share its conversion, done by the first of them.
+      std::vector<Index> offset(pairs.size(), -1), owner(pairs.size()), owners;
+      Index words = 0;
       for (size_t p = 0; p < pairs.size(); ++p) {
         const ItemHead& u = pairs[p];
-        bounds[p] = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-                                      k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-                                      headScale(scale, u.head).template value<float>(dims.dK));
+        owner[p] = Index(p);
+        for (size_t o = p; o-- > 0 && pairs[o].item == u.item;)
+          if (pairs[o].kvHead == u.kvHead) owner[p] = owner[o];
+        // Decoding rows (every unit of the item at most kDecodeRows) read k and v in place.
+        if (owner[p] != Index(p) || u.nQ <= Impl::kDecodeRows) continue;
+        owners.push_back(Index(p));
+        offset[p] = words;
+        words += useBf16 ? fast::bf16HeadWords(u.nK, dims.dK, dims.dV, bk) : u.nK * (dims.dK + dims.dV);
+      }
+      thread_local Buffer<std::uint32_t> packed;
+      thread_local Buffer<float> converted;
+      std::uint32_t* pairBase = useBf16 ? packed.get(words) : nullptr;
+      float* floatBase = useBf16 ? nullptr : converted.get(words);
+      bf16.resize(pairs.size());
+      kF.resize(pairs.size());
+      vF.resize(pairs.size());
+      parallelFor(Index(owners.size()), threads, [&](Index i) {
+        const size_t p = size_t(owners[size_t(i)]);
+        const ItemHead& u = pairs[p];
+        const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
+        const auto vh = v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV);
+        if (useBf16) {
+          bf16[p] = fast::packBf16Head(kh, vh, bk, pairBase + offset[p]);
+        } else {
+          float* f = floatBase + offset[p];
+          fast::convertHead(kh, vh, f, f + u.nK * dims.dK);
+          kF[p] = f;
+          vF[p] = f + u.nK * dims.dK;
+        }
+      });
+      for (size_t p = 0; p < pairs.size(); ++p) {
+        bf16[p] = bf16[size_t(owner[p])];
+        kF[p] = kF[size_t(owner[p])];
+        vF[p] = vF[size_t(owner[p])];
       }
     }
   }
   const auto fastUnit = [&](const Unit& w) {
-    if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, float>) {
-      if (bounds.empty() || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
+    if constexpr (kFloat || kHalf) {
+      if (!useFast || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
       const ItemHead& u = pairs[size_t(w.pair)];
       const float tau = headScale(scale, u.head).template value<float>(dims.dK);
-      fast::forwardBlock(
-          q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), tau, foldsScaleIntoQuery(tau), bounds[size_t(w.pair)],
-          itemMask(mask, u), u.head, w.i0, w.rows, tile.k, out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV),
-          lse.col(u.head).segment(u.q0 + w.i0, w.rows));
+      const auto qh = q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
+      const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
+      const auto vh = v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV);
+      const auto o = out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV);
+      const auto l = lse.col(u.head).segment(u.q0 + w.i0, w.rows);
+      const auto m = itemMask(mask, u);
+      const fast::LogitBounds& b = bounds[size_t(w.pair)];
+      if constexpr (kFloat) {
+        fast::forwardBlock(qh, kh, vh, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l);
+      } else if (useBf16) {
+        fast::forwardBlock(qh, kh, vh, tau, false, b, m, u.head, w.i0, w.rows, bk, o, l, &bf16[size_t(w.pair)]);
+      } else {
+        const Eigen::Map<const Matrix<float>> kf(kF[size_t(w.pair)], u.nK, dims.dK),
+            vf(vF[size_t(w.pair)], u.nK, dims.dV);
+        fast::forwardBlock(qh, kf, vf, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l);
+      }
       return true;
     } else {
       (void)w;
