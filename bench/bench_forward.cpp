@@ -106,6 +106,29 @@ void BM_ForwardCausal(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
+/**
+ * Half-precision inputs (H: Eigen::half or Eigen::bfloat16), output in H as PyTorch gives it,
+ * with the tile products of kernel::Products(range(3)): 0 = Fp32 (k and v converted once per
+ * call, the float kernel), 1 = Bf16 (bf16 dot products where the CPU has AVX512_BF16, else the
+ * same as 0). Beside BM_ForwardTargets<Tiled> (float inputs) of the same shape.
+ * args: n, d, threads, products
+ */
+template <typename H>
+void BM_ForwardHalf(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const sdpa::kernel::Tiled kernel{0, 0, state.range(3) ? sdpa::kernel::Products::Bf16 : sdpa::kernel::Products::Fp32};
+  using M = Eigen::Matrix<H, Eigen::Dynamic, Eigen::Dynamic>;
+  const M q = input(n, d, 1).cast<H>(), k = input(n, d, 2).cast<H>(), v = input(n, d, 3).cast<H>();
+  benchmark::DoNotOptimize(sdpa::attentionForward(kernel, q, k, v, sdpa::scale::InvSqrtDk{}).output.data());
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(kernel, q, k, v, sdpa::scale::InvSqrtDk{});
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
+}
+
 /// The tiled kernel with explicit block sizes. args: n, d, threads, blockQ, blockK
 void BM_ForwardBlocks(benchmark::State& state) { forward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)}); }
 
@@ -197,4 +220,14 @@ BENCHMARK(BM_ForwardBlocks)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+BENCHMARK(BM_ForwardHalf<Eigen::bfloat16>)
+    ->ArgNames({"n", "d", "threads", "bf16dot"})
+    ->ArgsProduct({{512, 1024, 4096}, {64, 128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardHalf<Eigen::half>)
+    ->ArgNames({"n", "d", "threads", "bf16dot"})
+    ->ArgsProduct({{512, 1024, 4096}, {64, 128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

@@ -164,6 +164,44 @@ inline double fmaPeakGflops() {
   return cached;
 }
 
+/**
+ * The bf16 dot-product peak of one core in GFLOP/s (AVX512_BF16's vdpbf16ps on 512 bits: two
+ * multiply-adds a 32-bit lane, 4 FLOPs), measured as fmaPeakGflops is; 0 without AVX512_BF16.
+ * Over fmaPeakGflops, what bf16 products can gain on this CPU at most.
+ */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx512f,avx512bf16"))) inline float dotChainsBf16(long iters) {
+  __m512 a[12];
+  const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));  // (1, 1)
+  const __m512bh y = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x33d633d6));  // (1e-7, 1e-7)
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(float(i));
+  for (long t = 0; t < iters; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, y);
+  }
+  __m512 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, s);
+  return out[0];
+}
+#endif
+inline double bf16DotPeakGflops() {
+  static double cached = -1;
+  if (cached >= 0) return cached;
+  cached = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bf16")) return cached;
+  const long iters = 20000000;
+  float sink = 0;
+  const double s = medianSeconds([&] { sink += dotChainsBf16(iters); }, 5);
+  benchmark::DoNotOptimize(sink);
+  cached = 12.0 * 4.0 * 16 * double(iters) / s * 1e-9;
+#endif
+  return cached;
+}
+
 inline void reportFlops(benchmark::State& state, double flops, double seconds, Index nQ, Index nK, Index d) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   if (state.iterations() == 0 || seconds <= 0) return;
@@ -175,6 +213,7 @@ inline void reportFlops(benchmark::State& state, double flops, double seconds, I
   threads = omp_get_max_threads();
 #endif
   if (const double peak = fmaPeakGflops(); peak > 0) state.counters["xFMA"] = gflops / (peak * threads);
+  if (const double peak = bf16DotPeakGflops(); peak > 0) state.counters["xBF16DOT"] = gflops / (peak * threads);
   if (const double ob = openblasSgemmGflops(nQ, nK, d); ob > 0) state.counters["xSGEMM_openblas"] = gflops / ob;
 }
 
