@@ -147,6 +147,15 @@ __attribute__((target("avx2,fma"))) inline float fmaChains256(long iters) {
   return out[0];
 }
 #endif
+/// GFLOP/s of chains(iters), which does `flopsPerIter` FLOPs an iteration: median of 5.
+template <typename F>
+double chainsGflops(F&& chains, double flopsPerIter) {
+  const long iters = 20000000;
+  float sink = 0;
+  const double s = medianSeconds([&] { sink += chains(iters); }, 5);
+  benchmark::DoNotOptimize(sink);
+  return flopsPerIter * double(iters) / s * 1e-9;
+}
 inline double fmaPeakGflops() {
   static double cached = -1;
   if (cached >= 0) return cached;
@@ -155,11 +164,8 @@ inline double fmaPeakGflops() {
   __builtin_cpu_init();
   const bool wide = __builtin_cpu_supports("avx512f");
   if (!wide && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return cached;
-  const long iters = 20000000;
-  float sink = 0;
-  const double s = medianSeconds([&] { sink += wide ? fmaChains512(iters) : fmaChains256(iters); }, 5);
-  benchmark::DoNotOptimize(sink);
-  cached = 12.0 * 2.0 * (wide ? 16 : 8) * double(iters) / s * 1e-9;
+  cached = chainsGflops([&](long iters) { return wide ? fmaChains512(iters) : fmaChains256(iters); },
+                        12.0 * 2.0 * (wide ? 16 : 8));
 #endif
   return cached;
 }
@@ -193,11 +199,7 @@ inline double bf16DotPeakGflops() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512bf16")) return cached;
-  const long iters = 20000000;
-  float sink = 0;
-  const double s = medianSeconds([&] { sink += dotChainsBf16(iters); }, 5);
-  benchmark::DoNotOptimize(sink);
-  cached = 12.0 * 4.0 * 16 * double(iters) / s * 1e-9;
+  cached = chainsGflops(dotChainsBf16, 12.0 * 4.0 * 16);
 #endif
   return cached;
 }
