@@ -40,6 +40,38 @@ void forEachIsa(F&& f, bool bf16 = false) {
   IsaChoice::setCap(Isa::Avx512Bf16);
 }
 
+/**
+ * Calls f(scale, mask, tau, visible, bias, softcap) for the cases the fast kernel's tests sweep
+ * at n_q = L, n_k = S, head size dK (`bias`: the L x S matrix of the Bias case): tau <= 1 (folded
+ * into q), unscaled (logits to +-60 at d_k = 256, where the exp's accuracy shows), tau > 1
+ * (applied after the product), causal, sliding window, softcap + causal + ALiBi, a bias, and rows
+ * past a query length (they see nothing: 0 and -inf).
+ */
+template <typename F>
+void forEachFastCase(Index L, Index S, Index dK, const Mat<float>& bias, F&& f) {
+  const long double tau = 1.0L / std::sqrt((long double)dK);
+  f(sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias(), 0.0L);
+  f(sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias(), 0.0L);
+  f(sdpa::scale::Constant{1.5}, mask::None{}, 1.5L, allVisible(), noBias(), 0.0L);
+  f(
+      sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau, [=](Index i, Index j) { return j <= i + S - L; },
+      noBias(), 0.0L);
+  f(
+      sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
+      [](Index i, Index j) { return j <= i && j >= i - 40; }, noBias(), 0.0L);
+  f(
+      sdpa::scale::InvSqrtDk{},
+      mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
+      [](Index i, Index j) { return j <= i; },
+      [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
+  f(
+      sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
+      [&](Index i, Index j) { return (long double)bias(i, j); }, 0.0L);
+  f(
+      sdpa::scale::InvSqrtDk{}, mask::QueryLength{L - 3}, tau, [=](Index i, Index) { return i < L - 3; }, noBias(),
+      0.0L);
+}
+
 /// checkForwardAgainst under every ISA and both block sizes, the oracle computed once.
 template <typename Scale, typename Mask>
 void checkEveryIsa(const Mat<float>& q, const Mat<float>& k, const Mat<float>& v, const Scale& scale, const Mask& mask,
@@ -119,26 +151,9 @@ TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference
     INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
     const Mat<T> q = randn<T>(s.nQ, s.dK, ++seed), k = randn<T>(s.nK, s.dK, ++seed), v = randn<T>(s.nK, s.dV, ++seed);
     const Mat<T> bias = randn<T>(s.nQ, s.nK, ++seed, 4.0);
-    const long double tau = 1.0L / std::sqrt((long double)s.dK);
-    const Index L = s.nQ, S = s.nK;
-    checkEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
-    // Unscaled: logits to +-60 at d_k = 256, where the exp's accuracy shows.
-    checkEveryIsa(q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
-    // tau > 1 multiplies the logits after the product (foldsScaleIntoQuery).
-    checkEveryIsa(q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)T(1.5), allVisible(), noBias());
-    checkEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-        [=](Index i, Index j) { return j <= i + S - L; }, noBias());
-    checkEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
-        [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
-    checkEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{},
-        mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
-        [](Index i, Index j) { return j <= i; },
-        [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
-    checkEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
-                  [&](Index i, Index j) { return (long double)bias(i, j); });
+    forEachFastCase(s.nQ, s.nK, s.dK, bias,
+                    [&](const auto& scale, const auto& m, long double tau, const VisibleFn& visible, const BiasFn& b,
+                        long double softcap) { checkEveryIsa(q, k, v, scale, m, tau, visible, b, softcap); });
   }
 }
 
@@ -271,28 +286,9 @@ TEMPLATE_TEST_CASE("half and bfloat16 inputs take the fast float kernel on every
     const Mat<H> q = toHalf<H>(randn<float>(s.nQ, s.dK, ++seed)), k = toHalf<H>(randn<float>(s.nK, s.dK, ++seed)),
                  v = toHalf<H>(randn<float>(s.nK, s.dV, ++seed));
     const Mat<float> bias = randn<float>(s.nQ, s.nK, ++seed, 4.0);
-    const long double tau = 1.0L / std::sqrt((long double)s.dK);
-    const Index L = s.nQ, S = s.nK;
-    checkHalfEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias());
-    checkHalfEveryIsa(q, k, v, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias());
-    checkHalfEveryIsa(q, k, v, sdpa::scale::Constant{1.5}, mask::None{}, (long double)1.5f, allVisible(), noBias());
-    checkHalfEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-        [=](Index i, Index j) { return j <= i + S - L; }, noBias());
-    checkHalfEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{40, 0, Align::UpperLeft}, tau,
-        [=](Index i, Index j) { return j <= i && j >= i - 40; }, noBias());
-    checkHalfEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{},
-        mask::combine(mask::Softcap{3.0}, mask::Causal{Align::UpperLeft}, mask::Alibi{{0.125}, Align::UpperLeft}), tau,
-        [](Index i, Index j) { return j <= i; },
-        [](Index i, Index j) { return -0.125L * std::abs((long double)(i - j)); }, 3.0L);
-    checkHalfEveryIsa(q, k, v, sdpa::scale::InvSqrtDk{}, mask::Bias{bias}, tau, allVisible(),
-                      [&](Index i, Index j) { return (long double)bias(i, j); });
-    // Rows past the query length see nothing: 0 and -inf.
-    checkHalfEveryIsa(
-        q, k, v, sdpa::scale::InvSqrtDk{}, mask::QueryLength{s.nQ - 3}, tau, [=](Index i, Index) { return i < L - 3; },
-        noBias());
+    forEachFastCase(s.nQ, s.nK, s.dK, bias,
+                    [&](const auto& scale, const auto& m, long double tau, const VisibleFn& visible, const BiasFn& b,
+                        long double softcap) { checkHalfEveryIsa(q, k, v, scale, m, tau, visible, b, softcap); });
   }
   // GQA heads and a batch: each (item, kv head)'s k and v converted once, shared by its query
   // heads; bitwise the float kernel's result on the converted inputs.

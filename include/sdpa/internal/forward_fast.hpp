@@ -203,7 +203,6 @@ struct Bf16Head {
   const std::uint32_t* kP = nullptr;
   const std::uint32_t* vP = nullptr;
   const unsigned char* vFinite = nullptr;
-  Index nK = 0, bk = 0;
 };
 
 /**
@@ -246,7 +245,7 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
       if (bf16NotFinite(lo) || bf16NotFinite(hi)) finite[2 * j2 / bk] = 0;  // bk is even: one tile a pair
     }
   }
-  return {kP, vP, finite, nK, bk};
+  return {kP, vP, finite};
 }
 
 /// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
