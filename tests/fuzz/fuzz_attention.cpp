@@ -465,14 +465,14 @@ void runForward(const char* what, const Kernel& kern, const Case& c) {
 /// the backward, whose dk, dv and dL/dtau mix every row, excuses the case.
 /// Half-precision inputs (H) on the tiled kernel's fast path (Products::Fp32: k and v converted
 /// to float once per call): bitwise the float kernel on the converted inputs, every policy and
-/// mask, for the rows the fast kernel computes (a block of at most 4 rows is decoding).
+/// mask, for every row of a call of more than 4 query rows (at most 4 is decoding, where half
+/// K/V are read in place).
 template <typename H>
 void runHalfForward(const char* what, const sdpa::kernel::Tiled& kern, const Case& c) {
   const Mat<H> q = c.q.cast<float>().cast<H>(), k = c.k.cast<float>().cast<H>(), v = c.v.cast<float>().cast<H>();
   const Mat<float> qF = q.template cast<float>(), kF = k.template cast<float>(), vF = v.template cast<float>();
   const Mat<float> bias = c.bias.cast<float>();
-  const Index bq = sdpa::internal::tileSizes(kern, c.dK, c.dV).q;
-  const Index tail = c.nQ % bq <= 4 ? c.nQ % bq : 0, rows = bq <= 4 ? 0 : c.nQ - tail;
+  const Index rows = c.nQ > 4 ? c.nQ : 0;
   withPolicies<float>(c, bias, [&](const auto& scale, const auto& mask, const VisibleFn&, const BiasFn&, long double) {
     const auto h = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
     const auto f = sdpa::attentionForward(kern, qF, kF, vF, scale, mask);

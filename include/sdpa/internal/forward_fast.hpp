@@ -195,14 +195,23 @@ inline std::uint32_t bf16Bits(Eigen::half x) {
 inline bool bf16NotFinite(std::uint32_t bits) { return (bits & 0x7f80u) == 0x7f80u; }
 
 /**
+ * Words from one column of a tile or packed head to the next: `n` rounded up to an odd number of
+ * cache lines. At a power-of-two stride (n_k = 4096 floats: 16 KiB) every column a micro-tile
+ * reads falls in one L1 set and they evict each other.
+ */
+inline Index oddLineStride(Index n) { return ((n + 15) / 16 | 1) * 16; }
+
+/**
  * K and V of one (batch item, kv head) in the bf16 kernel's pair layouts (forward_fast_bf16.inc),
- * packed once per call and read by every query block: kP ceil(d_k / 2) x n_k, vP d_v x
- * ceil(n_k / 2), and for each key tile of `bk` keys whether its values are all finite.
+ * packed once per call and read by every query block: kP ceil(d_k / 2) x n_k (column stride
+ * kLd), vP d_v x ceil(n_k / 2) (column stride vLd), and for each key tile of `bk` keys whether
+ * its values are all finite.
  */
 struct Bf16Head {
   const std::uint32_t* kP = nullptr;
   const std::uint32_t* vP = nullptr;
   const unsigned char* vFinite = nullptr;
+  Index kLd = 0, vLd = 0;
 };
 
 /**
@@ -219,18 +228,19 @@ void convertHead(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
 /// Words a Bf16Head of these dimensions takes (its finite flags counted in words too).
 inline Index bf16HeadWords(Index nK, Index dK, Index dV, Index bk) {
   const Index tiles = (nK + bk - 1) / bk;
-  return (dK + 1) / 2 * nK + dV * ((nK + 1) / 2) + (tiles + 3) / 4;
+  return (dK + 1) / 2 * oddLineStride(nK) + dV * oddLineStride((nK + 1) / 2) + (tiles + 3) / 4;
 }
 
 /// Packs k (n_k x d_k) and v (n_k x d_v), bfloat16 or half, into `words` (bf16HeadWords).
 template <typename DK, typename DV>
 Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Index bk, std::uint32_t* words) {
   const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), dK2 = (dK + 1) / 2, nK2 = (nK + 1) / 2;
+  const Index kLd = oddLineStride(nK), vLd = oddLineStride(nK2);
   std::uint32_t* kP = words;
-  std::uint32_t* vP = kP + dK2 * nK;
-  auto* finite = reinterpret_cast<unsigned char*>(vP + dV * nK2);
+  std::uint32_t* vP = kP + dK2 * kLd;
+  auto* finite = reinterpret_cast<unsigned char*>(vP + dV * vLd);
   for (Index c2 = 0; c2 < dK2; ++c2) {
-    std::uint32_t* row = kP + c2 * nK;
+    std::uint32_t* row = kP + c2 * kLd;
     for (Index j = 0; j < nK; ++j) row[j] = bf16Bits(k(j, 2 * c2));
     if (2 * c2 + 1 < dK)
       for (Index j = 0; j < nK; ++j) row[j] |= bf16Bits(k(j, 2 * c2 + 1)) << 16;
@@ -238,14 +248,14 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
   const Index tiles = (nK + bk - 1) / bk;
   std::fill(finite, finite + tiles, static_cast<unsigned char>(1));
   for (Index c = 0; c < dV; ++c) {
-    std::uint32_t* col = vP + c * nK2;
+    std::uint32_t* col = vP + c * vLd;
     for (Index j2 = 0; j2 < nK2; ++j2) {
       const std::uint32_t lo = bf16Bits(v(2 * j2, c)), hi = 2 * j2 + 1 < nK ? bf16Bits(v(2 * j2 + 1, c)) : 0u;
       col[j2] = lo | (hi << 16);
       if (bf16NotFinite(lo) || bf16NotFinite(hi)) finite[2 * j2 / bk] = 0;  // bk is even: one tile a pair
     }
   }
-  return {kP, vP, finite};
+  return {kP, vP, finite, kLd, vLd};
 }
 
 /// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
@@ -335,7 +345,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   // apart (a multiple of 4 KiB), so the d_k columns that a micro-tile reads all map to one L1
   // set and evict each other (n = 4096, d = 64: a third of the products' time on an AVX2 Zen).
   // A copy costs (d_k + d_v) loads and stores per key against 4 b_q d FLOPs.
-  const Index ldt = ((bk + 15) / 16 | 1) * 16;
+  const Index ldt = oddLineStride(bk);
   float* kTile = Bf16 ? nullptr : sc.kTile.get(ldt * dK);
   float* vTile = Bf16 ? nullptr : sc.vTile.get(ldt * dV);
   using TileMap = Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>;
@@ -372,7 +382,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
     if constexpr (Bf16) {
-      avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, nK, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
+      avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, bf->kLd, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
     } else {
       copyRows(k, j0, cols, kTile, ldt);
       if (isa >= Isa::Avx512)
@@ -410,7 +420,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     if constexpr (Bf16) {
       if (bf->vFinite[j0 / bk] != 0) {
         avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
-        avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, (nK + 1) / 2, dV, accT);
+        avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
       } else {
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
         valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);

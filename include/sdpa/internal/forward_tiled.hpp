@@ -377,20 +377,6 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
 
   std::vector<ItemHead> pairs;
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
-  struct Unit {
-    Index pair, i0, rows, splits, firstPart;
-  };
-  std::vector<Unit> units;
-  Index parts = 0;
-  for (Index p = 0; p < Index(pairs.size()); ++p)
-    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q) {
-      const Index rows = std::min(tile.q, pairs[size_t(p)].nQ - i0);
-      const Index splits = keySplits(rows, pairs[size_t(p)].nK, tile.k);
-      units.push_back({p, i0, rows, splits, parts});
-      parts += splits;
-    }
-  const int threads = maxThreads();
-
   // The fast prefill kernels (forward_fast.hpp), without dropout, for float and for bfloat16 or
   // half inputs (kernel.products: fp32 products of k and v converted once per call, or bf16
   // products of k and v packed in pairs once per call, on a CPU with AVX512_BF16). Per pair,
@@ -402,6 +388,24 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   const bool useFast = (kFloat || kHalf) && fast::available() && !dropout.enabled();
   const bool useBf16 =
       kHalf && useFast && kernel.products == kernel::Products::Bf16 && IsaChoice::current() == Isa::Avx512Bf16;
+  // Items of more than kDecodeRows queries run every query block on the fast kernel, the last
+  // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
+  // fewer are decoding, split over key ranges.
+  const auto prefill = [&](const ItemHead& u) { return useFast && u.nQ > Impl::kDecodeRows; };
+  struct Unit {
+    Index pair, i0, rows, splits, firstPart;
+  };
+  std::vector<Unit> units;
+  Index parts = 0;
+  for (Index p = 0; p < Index(pairs.size()); ++p)
+    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q) {
+      const Index rows = std::min(tile.q, pairs[size_t(p)].nQ - i0);
+      const Index splits = prefill(pairs[size_t(p)]) ? 1 : keySplits(rows, pairs[size_t(p)].nK, tile.k);
+      units.push_back({p, i0, rows, splits, parts});
+      parts += splits;
+    }
+  const int threads = maxThreads();
+
   // bf16 pairs never straddle two key tiles: an even tile length.
   const Index bk = useBf16 ? tile.k + (tile.k & 1) : tile.k;
   std::vector<fast::LogitBounds> bounds;
@@ -427,8 +431,8 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
         owner[p] = Index(p);
         for (size_t o = p; o-- > 0 && pairs[o].item == u.item;)
           if (pairs[o].kvHead == u.kvHead) owner[p] = owner[o];
-        // Decoding rows (every unit of the item at most kDecodeRows) read k and v in place.
-        if (owner[p] != Index(p) || u.nQ <= Impl::kDecodeRows) continue;
+        // Decoding items read k and v in place.
+        if (owner[p] != Index(p) || !prefill(u)) continue;
         owners.push_back(Index(p));
         offset[p] = words;
         words += useBf16 ? fast::bf16HeadWords(u.nK, dims.dK, dims.dV, bk) : u.nK * (dims.dK + dims.dV);
@@ -463,8 +467,8 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   }
   const auto fastUnit = [&](const Unit& w) {
     if constexpr (kFloat || kHalf) {
-      if (!useFast || w.splits != 1 || w.rows <= Impl::kDecodeRows) return false;
       const ItemHead& u = pairs[size_t(w.pair)];
+      if (!prefill(u)) return false;
       const float tau = headScale(scale, u.head).template value<float>(dims.dK);
       const auto qh = q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
       const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
@@ -523,11 +527,21 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   std::vector<Index> unitOf(static_cast<size_t>(parts));
   for (size_t w = 0; w < units.size(); ++w)
     for (Index s = 0; s < units[w].splits; ++s) unitOf[size_t(units[w].firstPart + s)] = Index(w);
+  // (A prefill unit among them takes the fast kernel here as in the loop above: which kernel
+  // computes a row never depends on the thread count.)
+  std::vector<char> done(units.size(), 0);
   parallelFor(parts, threads, [&](Index i) {
-    const Unit& w = units[size_t(unitOf[size_t(i)])];
+    const Index u = unitOf[size_t(i)];
+    const Unit& w = units[size_t(u)];
+    if (w.splits == 1 && fastUnit(w)) {
+      done[size_t(u)] = 1;
+      return;
+    }
     slice(w, i - w.firstPart, states[size_t(i)], Impl::threadScratch());
   });
-  for (const Unit& w : units) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (done[u]) continue;
+    const Unit& w = units[u];
     for (Index s = 1; s < w.splits; ++s) states[size_t(w.firstPart)].merge(states[size_t(w.firstPart + s)]);
     finish(w, states[size_t(w.firstPart)]);
   }
