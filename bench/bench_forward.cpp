@@ -230,4 +230,16 @@ BENCHMARK(BM_ForwardHalf<Eigen::half>)
     ->ArgsProduct({{512, 1024, 4096}, {64, 128}, {1}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// bf16 inputs and output with bf16 products (vdpbf16ps or AMX tiles where the CPU has them), at
+// the shapes of bench/peers/peers.py --dtype bf16 (PyTorch's bf16 SDPA beside these).
+BENCHMARK(BM_ForwardHalf<Eigen::bfloat16>)
+    ->Name("BM_ForwardPeersBf16")
+    ->ArgNames({"n", "d", "threads", "bf16dot"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const Index threads : {1, 2})
+        for (const auto& [n, d] : {std::pair<Index, Index>{1024, 64}, {4096, 16}, {4096, 64}, {4096, 128}, {4096, 256}})
+          b->Args({n, d, threads, 1});
+    })
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

@@ -21,23 +21,24 @@ namespace kernel = sdpa::kernel;
 namespace {
 
 const char* isaName(Isa isa) {
-  return isa == Isa::Avx512Bf16 ? "AVX-512 + BF16"
-         : isa == Isa::Avx512   ? "AVX-512"
-         : isa == Isa::Avx2     ? "AVX2"
-                                : "portable";
+  return isa == Isa::Amx          ? "AVX-512 + BF16 + AMX"
+         : isa == Isa::Avx512Bf16 ? "AVX-512 + BF16"
+         : isa == Isa::Avx512     ? "AVX-512"
+         : isa == Isa::Avx2       ? "AVX2"
+                                  : "portable";
 }
 
 /// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which;
-/// Avx512Bf16 (the same fp32 kernels as Avx512) only where `bf16` asks for it.
+/// Avx512Bf16 and Amx (the same fp32 kernels as Avx512) only where `bf16` asks for them.
 template <typename F>
 void forEachIsa(F&& f, bool bf16 = false) {
-  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}) {
-    if (int(cap) > int(IsaChoice::detected()) || (cap == Isa::Avx512Bf16 && !bf16)) continue;
+  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx}) {
+    if (int(cap) > int(IsaChoice::detected()) || (cap >= Isa::Avx512Bf16 && !bf16)) continue;
     IsaChoice::setCap(cap);
     INFO("ISA " << isaName(IsaChoice::current()));
     f(cap);
   }
-  IsaChoice::setCap(Isa::Avx512Bf16);
+  IsaChoice::setCap(Isa::Amx);
 }
 
 /**
@@ -168,7 +169,7 @@ TEST_CASE("the AVX2 and AVX-512 paths give the same bits", "[tiled][isa]") {
   const auto causal = mask::Causal{Align::LowerRight};
   IsaChoice::setCap(Isa::Avx2);
   const auto a = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
-  IsaChoice::setCap(Isa::Avx512Bf16);
+  IsaChoice::setCap(Isa::Amx);
   const auto b = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, causal);
   CHECK(a.output == b.output);
   CHECK(a.logSumExp == b.logSumExp);
@@ -355,7 +356,7 @@ TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-
             for (const kernel::Tiled& kern : {kernel::Tiled{0, 0, bf16}, kernel::Tiled{7, 33, bf16}}) {
               INFO("blocks " << kern.blockQ << " x " << kern.blockK);
               const auto f = sdpa::attentionForward<float>(kern, q, k, v, scale, m);
-              if (isa == Isa::Avx512Bf16) {
+              if (isa >= Isa::Avx512Bf16) {
                 double worst = 0;  // the largest error over its bound, entry by entry
                 for (Index c = 0; c < goldOut.cols(); ++c)
                   for (Index i = 0; i < goldOut.rows(); ++i) {
@@ -389,11 +390,10 @@ TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-
   }
 }
 
-TEST_CASE("special values in the bf16 dot-product kernel follow the general kernel's rules", "[tiled][isa][nan]") {
-  if (IsaChoice::detected() < Isa::Avx512Bf16) {
-    WARN("this CPU has no AVX512_BF16: the bf16 dot-product kernel does not run here");
-    return;
-  }
+namespace {
+
+/// The bf16 kernel's special values under the ISA in force (its vdpbf16ps or AMX products).
+void specialValuesInBf16Kernel() {
   using B = Eigen::bfloat16;
   constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   const kernel::Tiled kern{0, 0, kernel::Products::Bf16};
@@ -429,4 +429,18 @@ TEST_CASE("special values in the bf16 dot-product kernel follow the general kern
   const auto none = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, mask::QueryLength{30});
   CHECK((none.output.bottomRows(10).array() == 0.0f).all());
   CHECK((none.logSumExp.tail(10).array() == -inf).all());
+}
+
+}  // namespace
+
+TEST_CASE("special values in the bf16 dot-product kernel follow the general kernel's rules", "[tiled][isa][nan]") {
+  if (IsaChoice::detected() < Isa::Avx512Bf16) {
+    WARN("this CPU has no AVX512_BF16: the bf16 dot-product kernel does not run here");
+    return;
+  }
+  forEachIsa(
+      [](Isa isa) {
+        if (isa >= Isa::Avx512Bf16) specialValuesInBf16Kernel();
+      },
+      true);
 }

@@ -80,11 +80,11 @@ def reference(q, k, v):
     return (p / p.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
 
 
-def check(name, got, q, k, v):
+def check(name, got, q, k, v, tol=1e-4):
     import numpy as np
 
     err = float(np.max(np.abs(got.astype(np.float64) - reference(q, k, v))))
-    if not err < 1e-4:
+    if not err < tol:
         raise SystemExit(f"{name}: output differs from the float64 reference by {err:g}")
 
 
@@ -135,20 +135,23 @@ def worker_ort(threads, reps, min_time):
         print(json.dumps({"n": n, "d": d, "gflops": rate, "version": ort.__version__}), flush=True)
 
 
-def worker_torch(threads, reps, min_time):
+def worker_torch(threads, reps, min_time, dtype="fp32"):
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     torch.manual_seed(1)
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
     def inputs(n, d):
-        return [torch.rand(1, 1, n, d) * 2 - 1 for _ in range(3)]
+        return [(torch.rand(1, 1, n, d) * 2 - 1).to(tdtype) for _ in range(3)]
 
     q, k, v = inputs(256, 64)
     with torch.no_grad():
         o = F.scaled_dot_product_attention(q, k, v)
-    check("torch", o[0, 0].numpy(), q[0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy())
+    # bf16: the reference on the same bf16 inputs; the output rounded to bf16 (2^-9 relative).
+    f = [x[0, 0].float().numpy() for x in (o, q, k, v)]
+    check("torch", *f, tol=1e-4 if dtype == "fp32" else 1e-2)
     for n, d in SHAPES:
         q, k, v = inputs(n, d)
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -160,7 +163,7 @@ def worker_torch(threads, reps, min_time):
 
 
 def run_worker(peer, threads, args, extra_env=None):
-    cmd = pinned(threads) + [sys.executable, os.path.abspath(__file__), "--worker", peer]
+    cmd = pinned(threads) + [sys.executable, os.path.abspath(__file__), "--worker", peer, "--dtype", args.dtype]
     cmd += ["--threads-one", str(threads), "--reps", str(args.reps), "--min-time", str(args.min_time)]
     res = subprocess.run(cmd, env=clean_env(threads, extra_env), capture_output=True, text=True)
     if res.returncode != 0:
@@ -172,9 +175,10 @@ def run_worker(peer, threads, args, extra_env=None):
 
 def run_sdpa(threads, args):
     shapes = "|".join(f"n:{n}/d:{d}" for n, d in SHAPES)
+    name = "BM_ForwardPeers<Tiled>" if args.dtype == "fp32" else "BM_ForwardPeersBf16"
     cmd = pinned(threads) + [
         args.bench,
-        f"--benchmark_filter=BM_ForwardPeers<Tiled>/({shapes})/threads:{threads}/",
+        f"--benchmark_filter={name}/({shapes})/threads:{threads}/",
         f"--benchmark_repetitions={args.reps}",
         "--benchmark_report_aggregates_only=true",
         f"--benchmark_min_time={args.min_time}",
@@ -202,6 +206,13 @@ def main():
         "--rounds", type=int, default=1, help="run every peer this many times, interleaved; each cell is the median"
     )
     ap.add_argument("--peers", default="ort,ort-unfused,torch", help="which peers to run")
+    ap.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: bf16 inputs and outputs, sdpa with kernel::Products::Bf16, PyTorch only (ONNX Runtime's "
+        "MultiHeadAttention has no bf16 CPU kernel)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--threads-one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -209,9 +220,9 @@ def main():
     if args.worker == "ort":
         return worker_ort(args.threads_one, args.reps, args.min_time)
     if args.worker == "torch":
-        return worker_torch(args.threads_one, args.reps, args.min_time)
+        return worker_torch(args.threads_one, args.reps, args.min_time, args.dtype)
 
-    peers = args.peers.split(",")
+    peers = args.peers.split(",") if args.dtype == "fp32" else ["torch"]
     names = {"ort": "ONNX Runtime MHA (flash)", "ort-unfused": "ONNX Runtime MHA (unfused)", "torch": "PyTorch SDPA"}
     versions = {}
     rows = []
@@ -251,6 +262,7 @@ def main():
             rows.append(row)
 
     cols = [p for p in ["ort", "ort-unfused", "torch"] if p in peers]
+    # xFMA: against the fp32 FMA peak, also for bf16 (where AMX tiles can pass it).
     head = ["threads", "n, d", "sdpa", "sdpa xFMA"] + [names[p] for p in cols] + ["sdpa / best peer"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -744,7 +744,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           runHalfForward<Eigen::half>(("forward tiled half" + blocks + isa).c_str(), tiled, c);
         }
       }
-      IsaChoice::setCap(Isa::Avx512Bf16);
+      IsaChoice::setCap(Isa::Amx);
       runForward<double>(("forward tiled double" + blocks).c_str(), tiled, c);
     }
     if (target() != Target::Forward) {

@@ -14,12 +14,41 @@
 #define SDPA_HAS_ISA_DISPATCH 0
 #endif
 
+#if SDPA_HAS_ISA_DISPATCH
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace sdpa::internal {
 
 /// The instruction sets the tile kernels are built for, best last. Avx512Bf16 runs the fp32
 /// kernels of Avx512 and adds the bf16 dot-product kernel for bf16 (and, where allowed, fp16)
-/// inputs.
-enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
+/// inputs; Amx takes that kernel's two tile products to the AMX tile unit (TDPBF16PS).
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4 };
+
+/// Whether this process may use AMX tiles: the CPU has AMX-TILE and AMX-BF16, the OS saves tile
+/// state (XCR0 bits 17 and 18) and Linux granted the process its tile data (arch_prctl
+/// ARCH_REQ_XCOMP_PERM, once per process: without it the first tile instruction faults).
+inline bool amxUsable() {
+#if SDPA_HAS_ISA_DISPATCH && defined(__linux__) && defined(SYS_arch_prctl)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+  if ((d & kAmxBf16) == 0 || (d & kAmxTile) == 0) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || (c & (1u << 27)) == 0) return false;  // OSXSAVE: xgetbv
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  constexpr unsigned kTileState = (1u << 17) | (1u << 18);  // XTILECFG, XTILEDATA
+  if ((lo & kTileState) != kTileState) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;  // NOLINT(cppcoreguidelines-pro-type-vararg)
+#else
+  return false;
+#endif
+}
 
 /// What this CPU runs: AVX-512 (F, with FMA; with BW, VL and BF16 the bf16 kernel too) or AVX2 +
 /// FMA, else the portable path.
@@ -28,7 +57,7 @@ inline Isa detectIsa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"))
-    return Isa::Avx512Bf16;
+    return amxUsable() ? Isa::Amx : Isa::Avx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return Isa::Avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
 #endif
@@ -36,7 +65,7 @@ inline Isa detectIsa() {
 }
 
 /// The ISA a kernel uses: detected once, capped by the environment variable SDPA_ISA
-/// (`portable`, `avx2`, `avx512`, `avx512bf16`: to measure or test a slower path on a faster
+/// (`portable`, `avx2`, `avx512`, `avx512bf16`, `amx`: to measure or test a slower path on a faster
 /// machine) and by setCap (tests). Never above what the CPU supports.
 class IsaChoice {
  public:
@@ -57,6 +86,7 @@ class IsaChoice {
       if (std::strcmp(env, "avx2") == 0) want = Isa::Avx2;
       if (std::strcmp(env, "avx512") == 0) want = Isa::Avx512;
       if (std::strcmp(env, "avx512bf16") == 0) want = Isa::Avx512Bf16;
+      if (std::strcmp(env, "amx") == 0) want = Isa::Amx;
       return int(want) < int(cpu) ? want : cpu;
     }();
     return isa;
@@ -64,7 +94,7 @@ class IsaChoice {
 
  private:
   static std::atomic<int>& capSlot() {
-    static std::atomic<int> cap{int(Isa::Avx512Bf16)};
+    static std::atomic<int> cap{int(Isa::Amx)};
     return cap;
   }
 };

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "../mask.hpp"
@@ -46,6 +47,13 @@ namespace fast {
 /// kExpCut in units of ln 2: 2^x at or below it is exactly 0, as exp at or below kExpCut.
 constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
 
+namespace amx {
+constexpr Index kKeys = 32;   // keys (and value columns) per block of 2 x 2 tiles
+constexpr Index kPairs = 16;  // bf16 pairs along the products' sum per tile
+/// Whole tiles: n rounded up to a multiple of m.
+constexpr Index roundUp(Index n, Index m) { return (n + m - 1) / m * m; }
+}  // namespace amx
+
 #if SDPA_HAS_ISA_DISPATCH
 // GCC 12 reports -Wuninitialized / -Wmaybe-uninitialized inside its own AVX-512 intrinsics
 // (_mm512_undefined_ps in roundscale and scalef) once they are inlined: a false positive of the
@@ -79,6 +87,7 @@ constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
 #undef SDPA_FAST_KEYS
 #undef SDPA_FAST_COLS
 // clang-format on
+#include "forward_fast_amx.inc"
 #include "forward_fast_bf16.inc"
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
@@ -205,13 +214,16 @@ inline Index oddLineStride(Index n) { return ((n + 15) / 16 | 1) * 16; }
  * K and V of one (batch item, kv head) in the bf16 kernel's pair layouts (forward_fast_bf16.inc),
  * packed once per call and read by every query block: kP ceil(d_k / 2) x n_k (column stride
  * kLd), vP d_v x ceil(n_k / 2) (column stride vLd), and for each key tile of `bk` keys whether
- * its values are all finite.
+ * its values are all finite. For the AMX products (`amx`, forward_fast_amx.inc) k is row-major
+ * instead, kP n_k x ceil(d_k / 2) (row stride kLd, a multiple of 16 pairs; n_k rounded up to 32
+ * rows), and vP has d_v rounded up to 32 columns; every padding entry is +0.
  */
 struct Bf16Head {
   const std::uint32_t* kP = nullptr;
   const std::uint32_t* vP = nullptr;
   const unsigned char* vFinite = nullptr;
   Index kLd = 0, vLd = 0;
+  bool amx = false;
 };
 
 /**
@@ -226,24 +238,36 @@ void convertHead(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
 }
 
 /// Words a Bf16Head of these dimensions takes (its finite flags counted in words too).
-inline Index bf16HeadWords(Index nK, Index dK, Index dV, Index bk) {
-  const Index tiles = (nK + bk - 1) / bk;
-  return (dK + 1) / 2 * oddLineStride(nK) + dV * oddLineStride((nK + 1) / 2) + (tiles + 3) / 4;
+inline Index bf16HeadWords(Index nK, Index dK, Index dV, Index bk, bool amx) {
+  const Index tiles = (nK + bk - 1) / bk, dK2 = (dK + 1) / 2, vWords = oddLineStride((nK + 1) / 2);
+  const Index kWords = amx ? amx::roundUp(nK, amx::kKeys) * amx::roundUp(dK2, amx::kPairs) : dK2 * oddLineStride(nK);
+  return kWords + (amx ? amx::roundUp(dV, amx::kKeys) : dV) * vWords + (tiles + 3) / 4;
 }
 
 /// Packs k (n_k x d_k) and v (n_k x d_v), bfloat16 or half, into `words` (bf16HeadWords).
 template <typename DK, typename DV>
-Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Index bk, std::uint32_t* words) {
+Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Index bk, bool amx,
+                      std::uint32_t* words) {
   const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), dK2 = (dK + 1) / 2, nK2 = (nK + 1) / 2;
-  const Index kLd = oddLineStride(nK), vLd = oddLineStride(nK2);
+  const Index kLd = amx ? amx::roundUp(dK2, amx::kPairs) : oddLineStride(nK), vLd = oddLineStride(nK2);
+  const Index kWords = amx ? amx::roundUp(nK, amx::kKeys) * kLd : dK2 * kLd;
+  const Index dVp = amx ? amx::roundUp(dV, amx::kKeys) : dV;
   std::uint32_t* kP = words;
-  std::uint32_t* vP = kP + dK2 * kLd;
-  auto* finite = reinterpret_cast<unsigned char*>(vP + dV * vLd);
-  for (Index c2 = 0; c2 < dK2; ++c2) {
-    std::uint32_t* row = kP + c2 * kLd;
-    for (Index j = 0; j < nK; ++j) row[j] = bf16Bits(k(j, 2 * c2));
-    if (2 * c2 + 1 < dK)
-      for (Index j = 0; j < nK; ++j) row[j] |= bf16Bits(k(j, 2 * c2 + 1)) << 16;
+  std::uint32_t* vP = kP + kWords;
+  auto* finite = reinterpret_cast<unsigned char*>(vP + dVp * vLd);
+  if (amx) {
+    std::fill(kP, kP + kWords, 0u);
+    for (Index c2 = 0; c2 < dK2; ++c2)
+      for (Index j = 0; j < nK; ++j)
+        kP[j * kLd + c2] = bf16Bits(k(j, 2 * c2)) | (2 * c2 + 1 < dK ? bf16Bits(k(j, 2 * c2 + 1)) << 16 : 0u);
+    std::fill(vP, vP + dVp * vLd, 0u);
+  } else {
+    for (Index c2 = 0; c2 < dK2; ++c2) {
+      std::uint32_t* row = kP + c2 * kLd;
+      for (Index j = 0; j < nK; ++j) row[j] = bf16Bits(k(j, 2 * c2));
+      if (2 * c2 + 1 < dK)
+        for (Index j = 0; j < nK; ++j) row[j] |= bf16Bits(k(j, 2 * c2 + 1)) << 16;
+    }
   }
   const Index tiles = (nK + bk - 1) / bk;
   std::fill(finite, finite + tiles, static_cast<unsigned char>(1));
@@ -255,7 +279,7 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
       if (bf16NotFinite(lo) || bf16NotFinite(hi)) finite[2 * j2 / bk] = 0;  // bk is even: one tile a pair
     }
   }
-  return {kP, vP, finite, kLd, vLd};
+  return {kP, vP, finite, kLd, vLd, amx};
 }
 
 /// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
@@ -311,9 +335,16 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   const float qScale = fold ? tau * unit : 1.0f, tileScale = fold ? 1.0f : tau * unit;
   float* qT = nullptr;
   std::uint32_t* qP = nullptr;
-  const Index dK2 = (dK + 1) / 2;
+  // The AMX products read whole tiles: q's pairs and acc's columns padded with zeros (to 16
+  // pairs, 32 columns).
+  const bool amx = Bf16 && bf->amx;
+  const Index dK2 = (dK + 1) / 2, dK2p = amx ? amx::roundUp(dK2, amx::kPairs) : dK2;
+  const Index dVp = amx ? amx::roundUp(dV, amx::kKeys) : dV;
+  std::optional<amx::Session> tileUnit;
+  if (amx) tileUnit.emplace();
   if constexpr (Bf16) {
-    qP = sc.qP.get(dK2 * lanes);
+    qP = sc.qP.get(dK2p * lanes);
+    std::fill(qP + dK2 * lanes, qP + dK2p * lanes, 0u);
     for (Index c2 = 0; c2 < dK2; ++c2) {
       std::uint32_t* row = qP + c2 * lanes;
       for (Index i = 0; i < bq; ++i) row[i] = bf16Bits(q(i0 + i, 2 * c2));
@@ -331,13 +362,13 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   }
   float* sT = sc.sT.get(bk * lanes);
   std::uint32_t* pP = Bf16 ? sc.pP.get((bk + 1) / 2 * lanes) : nullptr;
-  float* accT = sc.accT.get(dV * lanes);
+  float* accT = sc.accT.get(dVp * lanes);
   float* m = sc.max.get(lanes);
   float* l = sc.sum.get(lanes);
   float* top = sc.top.get(lanes);
   float* bad = sc.bad.get(lanes);
   std::fill(bad, bad + lanes, 0.0f);
-  std::fill(accT, accT + dV * lanes, 0.0f);
+  std::fill(accT, accT + dVp * lanes, 0.0f);
   std::fill(m, m + lanes, -std::numeric_limits<float>::infinity());
   std::fill(l, l + lanes, 0.0f);
   // The fp32 kernel's k and v tiles are copied, column-major with a column stride of an odd
@@ -382,7 +413,12 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
     if constexpr (Bf16) {
-      avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, bf->kLd, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
+      if (amx) {
+        amx::logits(qP, lanes, dK2p, bf->kP + j0 * bf->kLd, bf->kLd, {rb, re, cols}, sT);
+        amx::scaleAndMax(sT, lanes, {rb, re, cols}, tau * unit, plain ? top : nullptr);
+      } else {
+        avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, bf->kLd, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
+      }
     } else {
       copyRows(k, j0, cols, kTile, ldt);
       if (isa >= Isa::Avx512)
@@ -419,8 +455,13 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     }
     if constexpr (Bf16) {
       if (bf->vFinite[j0 / bk] != 0) {
-        avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
-        avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
+        if (amx) {
+          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP, amx::kKeys);
+          amx::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accT);
+        } else {
+          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
+          avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
+        }
       } else {
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
         valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);

@@ -387,7 +387,8 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
                           std::is_same_v<In, Eigen::half>)&&(std::is_same_v<Out, float> || std::is_same_v<Out, In>);
   const bool useFast = (kFloat || kHalf) && fast::available() && !dropout.enabled();
   const bool useBf16 =
-      kHalf && useFast && kernel.products == kernel::Products::Bf16 && IsaChoice::current() == Isa::Avx512Bf16;
+      kHalf && useFast && kernel.products == kernel::Products::Bf16 && IsaChoice::current() >= Isa::Avx512Bf16;
+  const bool useAmx = useBf16 && IsaChoice::current() == Isa::Amx;
   // Items of more than kDecodeRows queries run every query block on the fast kernel, the last
   // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
   // fewer are decoding, split over key ranges.
@@ -406,8 +407,9 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
   const int threads = maxThreads();
 
-  // bf16 pairs never straddle two key tiles: an even tile length.
-  const Index bk = useBf16 ? tile.k + (tile.k & 1) : tile.k;
+  // bf16 pairs never straddle two key tiles: an even tile length; the AMX products take blocks of
+  // 32 keys.
+  const Index bk = useAmx ? (tile.k + 31) / 32 * 32 : useBf16 ? tile.k + (tile.k & 1) : tile.k;
   std::vector<fast::LogitBounds> bounds;
   // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
   // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
@@ -435,7 +437,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
         if (owner[p] != Index(p) || !prefill(u)) continue;
         owners.push_back(Index(p));
         offset[p] = words;
-        words += useBf16 ? fast::bf16HeadWords(u.nK, dims.dK, dims.dV, bk) : u.nK * (dims.dK + dims.dV);
+        words += useBf16 ? fast::bf16HeadWords(u.nK, dims.dK, dims.dV, bk, useAmx) : u.nK * (dims.dK + dims.dV);
       }
       thread_local Buffer<std::uint32_t> packed;
       thread_local Buffer<float> converted;
@@ -450,7 +452,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
         const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
         const auto vh = v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV);
         if (useBf16) {
-          bf16[p] = fast::packBf16Head(kh, vh, bk, pairBase + offset[p]);
+          bf16[p] = fast::packBf16Head(kh, vh, bk, useAmx, pairBase + offset[p]);
         } else {
           float* f = floatBase + offset[p];
           fast::convertHead(kh, vh, f, f + u.nK * dims.dK);
