@@ -121,6 +121,39 @@ inline void expArray(bool base2, const float* x, float* y, Index n) {
 /// Largest |x| over the finite entries of m (0 if none); allFinite: whether every entry is finite.
 template <typename D>
 float maxFiniteAbs(const Eigen::MatrixBase<D>& m, bool& allFinite) {
+  using S = typename D::Scalar;
+  if constexpr ((std::is_same_v<S, Eigen::bfloat16> ||
+                 std::is_same_v<S, Eigen::half>)&&bool(D::Flags & Eigen::DirectAccessBit)) {
+    if (m.derived().innerStride() == 1) {
+      // A 16-bit float's magnitude orders as its bits without the sign, and it is finite unless
+      // every exponent bit is set: an integer scan, which vectorises (converting each entry to
+      // float took 6% of a bf16 call at n = 4096, d = 128).
+      constexpr std::uint16_t exponent = std::is_same_v<S, Eigen::bfloat16> ? 0x7f80u : 0x7c00u;
+      // (Eight independent maxima: GCC 12's -O2 does not vectorise the plain loop, whose one
+      // running maximum is then a chain of a compare and a move per entry.)
+      constexpr int kWays = 8;
+      std::uint16_t top[kWays] = {}, bad[kWays] = {};
+      const auto visit = [&](int w, S x) {
+        const auto a = static_cast<std::uint16_t>(Eigen::numext::bit_cast<std::uint16_t>(x) & 0x7fffu);
+        const bool nonFinite = (a & exponent) == exponent;
+        top[w] = std::max(top[w], nonFinite ? std::uint16_t(0) : a);
+        bad[w] = static_cast<std::uint16_t>(bad[w] | (nonFinite ? 1u : 0u));
+      };
+      for (Index c = 0; c < m.cols(); ++c) {
+        const S* col = m.derived().data() + c * m.derived().outerStride();
+        Index i = 0;
+        for (; i + kWays <= m.rows(); i += kWays)
+          for (int w = 0; w < kWays; ++w) visit(w, col[i + w]);
+        for (; i < m.rows(); ++i) visit(0, col[i]);
+      }
+      for (int w = 1; w < kWays; ++w) {
+        top[0] = std::max(top[0], top[w]);
+        bad[0] = static_cast<std::uint16_t>(bad[0] | bad[w]);
+      }
+      allFinite = bad[0] == 0;
+      return float(Eigen::numext::bit_cast<S>(top[0]));
+    }
+  }
   float r = 0.0f;
   bool all = true;
   for (Index c = 0; c < m.cols(); ++c)
@@ -257,9 +290,11 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
   auto* finite = reinterpret_cast<unsigned char*>(vP + dVp * vLd);
   if (amx) {
     std::fill(kP, kP + kWords, 0u);
-    for (Index c2 = 0; c2 < dK2; ++c2)
-      for (Index j = 0; j < nK; ++j)
-        kP[j * kLd + c2] = bf16Bits(k(j, 2 * c2)) | (2 * c2 + 1 < dK ? bf16Bits(k(j, 2 * c2 + 1)) << 16 : 0u);
+    // A transpose, in blocks of 16 keys: their 16 rows stay in L1 while k's columns are read.
+    for (Index j0 = 0; j0 < nK; j0 += 16)
+      for (Index c2 = 0; c2 < dK2; ++c2)
+        for (Index j = j0; j < std::min(nK, j0 + 16); ++j)
+          kP[j * kLd + c2] = bf16Bits(k(j, 2 * c2)) | (2 * c2 + 1 < dK ? bf16Bits(k(j, 2 * c2 + 1)) << 16 : 0u);
     std::fill(vP, vP + dVp * vLd, 0u);
   } else {
     for (Index c2 = 0; c2 < dK2; ++c2) {
