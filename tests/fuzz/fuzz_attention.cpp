@@ -281,6 +281,7 @@ struct Rounding {
   Mat<double> vMax;          // n_q x 1: max |v_jc| over the keys row i sees
   Mat<double> termMax;       // n_q x 1: max |tau q_ic k_jc| over the keys row i sees
   std::vector<Index> visibleCount;
+  std::vector<char> nonFiniteValueReachable;  // per row: see below
 
   Rounding(const Case& c, long double tau, const VisibleFn& vis, const BiasFn& b, long double cap)
       : nQ(c.nQ),
@@ -290,7 +291,8 @@ struct Rounding {
         dsMax(Mat<double>::Zero(c.nQ, 1)),
         vMax(Mat<double>::Zero(c.nQ, 1)),
         termMax(Mat<double>::Zero(c.nQ, 1)),
-        visibleCount(size_t(c.nQ), 0) {
+        visibleCount(size_t(c.nQ), 0),
+        nonFiniteValueReachable(size_t(c.nQ), 0) {
     const double t = double(tau);
     for (Index i = 0; i < nQ; ++i) {
       std::vector<double> sRow(size_t(nK), -INFINITY);
@@ -322,6 +324,13 @@ struct Rounding {
         if (c.dV) vMax(i) = std::max(vMax(i), finite(c.v.row(j)).cwiseAbs().maxCoeff());
       }
       if (!std::isfinite(m)) continue;
+      // A visible key whose value holds inf or NaN has weight 0 in the reference, but its logit
+      // may come out within exp's range of the maximum in T when the logits' rounding allows it
+      // (ds: a cancellation of products near 1e32 errs by an ulp of them, 1e25): the row may
+      // then be inf or NaN in T, as (tau q) k folded or summed in another order shows.
+      for (Index j = 0; j < nK && c.dV; ++j)
+        if (vis(i, j) && !c.v.row(j).allFinite() && sRow[size_t(j)] + ds(i, j) >= m - dsMax(i) - 104.0)
+          nonFiniteValueReachable[size_t(i)] = 1;
       double l = 0;
       for (Index j = 0; j < nK; ++j)
         if (vis(i, j)) l += std::exp(sRow[size_t(j)] - m);
@@ -351,7 +360,8 @@ struct Rounding {
 template <typename T>
 void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::Matrix<T, -1, 1>& lse,
                const sdpa_test::RefResult<long double>& gold, const sdpa_test::RefResult<T>& naive,
-               const Rounding<T>& rounding, bool tiled) {
+               const Rounding<T>& rounding, bool tiled, const std::vector<double>& outExtra = {},
+               const std::vector<double>& lseExtra = {}) {
   if (out.rows() != c.nQ || out.cols() != c.dV || lse.size() != c.nQ) fail(what, "wrong result shape; " + c.describe());
   for (Index i = 0; i < c.nQ; ++i) {
     // Rows of 0-column results are taken as empty matrices (no row() of a matrix without data).
@@ -383,10 +393,12 @@ void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::
     // (with d_v = 0 only in the latter).
     const double half = 0.5 * double(std::numeric_limits<T>::max());
     if (tiled && !o.allFinite() && rounding.accumulatorBound(c, i) > half) continue;
+    if (tiled && !o.allFinite() && rounding.nonFiniteValueReachable[size_t(i)]) continue;
     if (tiled && rounding.largestTerm(i) > half && !(o.allFinite() && std::isfinite(double(lse(i))))) continue;
     const double scale = g.size() ? g.cwiseAbs().maxCoeff() : 0.0;
     const double err = sdpa_test::maxAbsDiff(o, g), naiveErr = sdpa_test::maxAbsDiff(n, g);
-    const double bound = 2 * naiveErr + std::max(rounding.outputFloor(i), 8 * Rounding<T>::eps * std::max(1.0, scale));
+    const double bound = 2 * naiveErr + std::max(rounding.outputFloor(i), 8 * Rounding<T>::eps * std::max(1.0, scale)) +
+                         (outExtra.empty() ? 0.0 : outExtra[size_t(i)]);
     if (!(err <= bound))
       fail(what, "row " + std::to_string(i) + " error " + std::to_string(err) + " > 2 x " + std::to_string(naiveErr) +
                      " + the rounding floor " + std::to_string(bound - 2 * naiveErr) + "; " + c.describe() +
@@ -394,7 +406,7 @@ void checkRows(const char* what, const Case& c, const Mat<T>& out, const Eigen::
     const double lseErr =
         sdpa_test::maxAbsDiff(Mat<double>::Constant(1, 1, double(lse(i))), Mat<double>::Constant(1, 1, gl));
     const double lseNaive = std::abs(nl - gl);
-    if (!(lseErr <= 2 * lseNaive + rounding.lseFloor(i, gl)))
+    if (!(lseErr <= 2 * lseNaive + rounding.lseFloor(i, gl) + (lseExtra.empty() ? 0.0 : lseExtra[size_t(i)])))
       fail(what, "row " + std::to_string(i) + " logSumExp error " + std::to_string(lseErr) + "; " + c.describe() +
                      dump(c, i, out, lse, gold));
   }
@@ -482,6 +494,51 @@ void runHalfForward(const char* what, const sdpa::kernel::Tiled& kern, const Cas
     if (!same(h.output.topRows(rows), f.output.topRows(rows)) || !same(h.logSumExp.head(rows), f.logSumExp.head(rows)))
       fail(what, "differs from the float kernel on the converted inputs; " + c.describe());
   });
+}
+
+/**
+ * bfloat16 inputs with Products::Bf16 (vdpbf16ps or AMX tiles, whichever the ISA in force runs),
+ * against the oracle on the values those products see: the bf16 inputs with denormals read as 0
+ * (both instructions do). Each row within checkRows' float rule plus what NUMERICS.md allows the
+ * bf16 products: P rounded to bf16 before P v, 2 u sum_j P_ij |v_jc| (u = 2^-8); weights below
+ * 2^-126 flushed, n_k 2^-126 max|v|; and products' fp32 partial sums flushed below 2^-126,
+ * (d_k + 2) 2^-126 |tau| in a logit, which moves the output by at most 4 times that times max|v|.
+ */
+void runBf16Products(const char* what, const sdpa::kernel::Tiled& tiled, const Case& c) {
+  if (c.nQ <= 4) return;  // decoding: fp32 products on the bf16 values in place (runHalfForward's rows)
+  using B = Eigen::bfloat16;
+  const sdpa::kernel::Tiled kern{tiled.blockQ, tiled.blockK, sdpa::kernel::Products::Bf16};
+  const Mat<B> q = c.q.cast<float>().cast<B>(), k = c.k.cast<float>().cast<B>(), v = c.v.cast<float>().cast<B>();
+  const auto seen = [](const Mat<B>& x) {
+    Mat<double> d = x.cast<float>().cast<double>();
+    for (Index i = 0; i < d.size(); ++i)
+      if (std::abs(d.data()[i]) < double(std::numeric_limits<float>::min())) d.data()[i] = 0.0;
+    return d;
+  };
+  Case cs = c;
+  cs.q = seen(q);
+  cs.k = seen(k);
+  cs.v = seen(v);
+  const Mat<float> bias = c.bias.cast<float>();
+  const double u = std::ldexp(1.0, -8), tiny = double(std::numeric_limits<float>::min());
+  withPolicies<float>(
+      c, bias, [&](const auto& scale, const auto& mask, const VisibleFn& vis, const BiasFn& b, long double cap) {
+        const long double tau = tauOf(c);
+        const auto gold = sdpa_test::referenceAttention<long double>(cs.q, cs.k, cs.v, tau, vis, b, cap);
+        const auto naive = sdpa_test::referenceAttention<float>(cs.q, cs.k, cs.v, tau, vis, b, cap);
+        const Rounding<float> rounding(cs, tau, vis, b, cap);
+        std::vector<double> outExtra(size_t(c.nQ), 0.0), lseExtra(size_t(c.nQ), 0.0);
+        const Mat<double> absV = finite(cs.v).cwiseAbs();
+        for (Index i = 0; i < c.nQ; ++i) {
+          const double logitFlush = double(c.dK + 2) * tiny * std::max(1.0, std::abs(double(tau)));
+          // max_c sum_j P_ij |v_jc| (no row() of a matrix without data)
+          const double weighted = c.dV && c.nK ? (rounding.p.row(i) * absV).maxCoeff() : 0.0;
+          outExtra[size_t(i)] = 2 * u * weighted + (double(c.nK) * tiny + 4 * logitFlush) * rounding.vMax(i);
+          lseExtra[size_t(i)] = logitFlush;
+        }
+        const auto fwd = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
+        checkRows<float>(what, cs, fwd.output, fwd.logSumExp, gold, naive, rounding, true, outExtra, lseExtra);
+      });
 }
 
 template <typename T>
@@ -743,6 +800,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           runHalfForward<Eigen::bfloat16>(("forward tiled bfloat16" + blocks + isa).c_str(), tiled, c);
           runHalfForward<Eigen::half>(("forward tiled half" + blocks + isa).c_str(), tiled, c);
         }
+      }
+      // The bf16 products (Products::Bf16) under each bf16 instruction set this CPU has.
+      for (const Isa cap : {Isa::Avx512Bf16, Isa::Amx}) {
+        if (int(cap) > int(IsaChoice::detected())) continue;
+        IsaChoice::setCap(cap);
+        runBf16Products(
+            ("forward tiled bf16 products" + blocks + (cap == Isa::Amx ? ", AMX" : ", AVX512_BF16")).c_str(), tiled, c);
       }
       IsaChoice::setCap(Isa::Amx);
       runForward<double>(("forward tiled double" + blocks).c_str(), tiled, c);
