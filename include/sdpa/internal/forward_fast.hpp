@@ -270,21 +270,36 @@ void convertHead(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
   Eigen::Map<Matrix<float>>(vF, v.rows(), v.cols()) = v.template cast<float>();
 }
 
+/// The sizes of a Bf16Head's layout (and of the q and acc tiles the AMX products pad to match).
+struct Bf16Layout {
+  Index dK2 = 0;     // pairs of k's columns
+  Index dK2p = 0;    // the same, padded to whole AMX tiles (16 pairs)
+  Index dVp = 0;     // v's columns, padded to whole AMX blocks (32)
+  Index kLd = 0;     // kP's column stride (row stride for AMX)
+  Index vLd = 0;     // vP's column stride
+  Index kWords = 0;  // kP's words
+  Bf16Layout(Index nK, Index dK, Index dV, bool amx)
+      : dK2((dK + 1) / 2),
+        dK2p(amx ? amx::roundUp(dK2, amx::kPairs) : dK2),
+        dVp(amx ? amx::roundUp(dV, amx::kKeys) : dV),
+        kLd(amx ? dK2p : oddLineStride(nK)),
+        vLd(oddLineStride((nK + 1) / 2)),
+        kWords(amx ? amx::roundUp(nK, amx::kKeys) * kLd : dK2 * kLd) {}
+};
+
 /// Words a Bf16Head of these dimensions takes (its finite flags counted in words too).
 inline Index bf16HeadWords(Index nK, Index dK, Index dV, Index bk, bool amx) {
-  const Index tiles = (nK + bk - 1) / bk, dK2 = (dK + 1) / 2, vWords = oddLineStride((nK + 1) / 2);
-  const Index kWords = amx ? amx::roundUp(nK, amx::kKeys) * amx::roundUp(dK2, amx::kPairs) : dK2 * oddLineStride(nK);
-  return kWords + (amx ? amx::roundUp(dV, amx::kKeys) : dV) * vWords + (tiles + 3) / 4;
+  const Bf16Layout lay(nK, dK, dV, amx);
+  return lay.kWords + lay.dVp * lay.vLd + ((nK + bk - 1) / bk + 3) / 4;
 }
 
 /// Packs k (n_k x d_k) and v (n_k x d_v), bfloat16 or half, into `words` (bf16HeadWords).
 template <typename DK, typename DV>
 Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Index bk, bool amx,
                       std::uint32_t* words) {
-  const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), dK2 = (dK + 1) / 2, nK2 = (nK + 1) / 2;
-  const Index kLd = amx ? amx::roundUp(dK2, amx::kPairs) : oddLineStride(nK), vLd = oddLineStride(nK2);
-  const Index kWords = amx ? amx::roundUp(nK, amx::kKeys) * kLd : dK2 * kLd;
-  const Index dVp = amx ? amx::roundUp(dV, amx::kKeys) : dV;
+  const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), nK2 = (nK + 1) / 2;
+  const Bf16Layout lay(nK, dK, dV, amx);
+  const Index dK2 = lay.dK2, kLd = lay.kLd, vLd = lay.vLd, kWords = lay.kWords, dVp = lay.dVp;
   std::uint32_t* kP = words;
   std::uint32_t* vP = kP + kWords;
   auto* finite = reinterpret_cast<unsigned char*>(vP + dVp * vLd);
@@ -373,8 +388,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   // The AMX products read whole tiles: q's pairs and acc's columns padded with zeros (to 16
   // pairs, 32 columns).
   const bool amx = Bf16 && bf->amx;
-  const Index dK2 = (dK + 1) / 2, dK2p = amx ? amx::roundUp(dK2, amx::kPairs) : dK2;
-  const Index dVp = amx ? amx::roundUp(dV, amx::kKeys) : dV;
+  const Bf16Layout lay(nK, dK, dV, amx);
+  const Index dK2 = lay.dK2, dK2p = lay.dK2p, dVp = lay.dVp;
   std::optional<amx::Session> tileUnit;
   if (amx) tileUnit.emplace();
   if constexpr (Bf16) {

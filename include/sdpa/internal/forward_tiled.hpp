@@ -409,7 +409,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
 
   // bf16 pairs never straddle two key tiles: an even tile length; the AMX products take blocks of
   // 32 keys.
-  const Index bk = useAmx ? (tile.k + 31) / 32 * 32 : useBf16 ? tile.k + (tile.k & 1) : tile.k;
+  const Index bk = useAmx ? fast::amx::roundUp(tile.k, fast::amx::kKeys) : useBf16 ? tile.k + (tile.k & 1) : tile.k;
   std::vector<fast::LogitBounds> bounds;
   // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
   // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
