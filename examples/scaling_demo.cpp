@@ -1,6 +1,8 @@
 // The measured version of the table the seed article lost: scaled against unscaled dot-product
 // attention on random N(0, 1) queries and keys, n = 256 keys, for growing head dimension d_k.
-// Every figure below is computed here by sdpa; none is typed in.
+// Then the other length that moves the softmax, the number of keys: 1/sqrt(d_k) against the
+// log-length scale (scale::LogN) for growing n_k. Every figure below is computed here by sdpa;
+// none is typed in.
 //
 //   cmake --workflow --preset demo
 #include <sdpa/sdpa.hpp>
@@ -56,6 +58,23 @@ void print(const char* name, int dK, const Row& r) {
               100 * r.fp32Overflow);
 }
 
+/// Mean over rows of the entropy fraction H / ln n_k and of the weight of each query's planted
+/// key (row i's key i, whose logit stands 3 standard deviations above the others under 1/sqrt(d_k)).
+template <typename Scale>
+void printLength(const char* name, const Matrix& q, const Matrix& k, const Scale& scale) {
+  const Matrix s = sdpa::attentionLogits(q, k, scale);
+  const Matrix p = sdpa::attentionWeights(q, k, scale);
+  double entropy = 0, planted = 0;
+  for (Eigen::Index i = 0; i < p.rows(); ++i) {
+    entropy += sdpa::softmaxEntropy(Eigen::RowVectorXf(p.row(i)));
+    planted += p(i, i);
+  }
+  const double rows = double(p.rows()), n = double(s.size());
+  const double logitStd = std::sqrt((s.array().cast<double>() - double(s.mean())).square().sum() / n);
+  std::printf("%7ld  %-9s %9.2f %8.1f%% %10.4f\n", long(k.rows()), name, logitStd,
+              100 * entropy / rows / std::log(double(k.rows())), planted / rows);
+}
+
 }  // namespace
 
 int main() {
@@ -80,5 +99,25 @@ int main() {
       "Jacobian norm falls steadily with d_k while more and more rows go dead (C5) -- at small d_k it\n"
       "is above the scaled value, since two keys sharing the weight make a larger Jacobian than a\n"
       "soft row; and a growing share of logits would overflow exp in fp16 (C13, C15).\n");
+
+  constexpr Eigen::Index dK = 64, nRows = 64;
+  std::printf(
+      "\nThe number of keys, d_k = %ld, %ld queries, each with one planted key (q.k / sqrt(d_k) = 3):\n"
+      "logn = scale::LogN::matching(512), tau_i = ln(n_i) / ln(512) / sqrt(d_k).\n\n",
+      long(dK), long(nRows));
+  std::printf("%7s  %-9s %9s %9s %10s\n", "n_k", "scale", "logit std", "H/log n", "planted p");
+  const Matrix q = randn(nRows, dK, gen);
+  for (const Eigen::Index nK : {64, 512, 4096, 32768}) {
+    Matrix k = randn(nK, dK, gen);
+    k.topRows(nRows) = q * (3.0f / std::sqrt(float(dK)));  // q_i . k_i ~ 3 sqrt(d_k)
+    printLength("1/sqrt(d)", q, k, sdpa::scale::InvSqrtDk{});
+    printLength("logn", q, k, sdpa::scale::LogN::matching(512));
+  }
+  std::printf(
+      "\nWith a fixed tau the logits keep their spread while the keys multiply: the entropy climbs\n"
+      "towards ln n_k and the planted key's weight falls as 1/n_k. The log-length scale widens the\n"
+      "logits as ln n_k (equal to 1/sqrt(d_k) at 512 keys): beyond 512 keys the entropy fraction\n"
+      "falls instead of climbing and the planted key's weight falls more slowly; below, the logits\n"
+      "are narrower than 1/sqrt(d_k)'s.\n");
   return 0;
 }

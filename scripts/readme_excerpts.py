@@ -24,7 +24,8 @@ FINDINGS = r"^(stage|warning|note|verdict)"
 # name: (command, with {check}, {demo}, {npy}, {data} substituted; a regex the kept lines match,
 # or None for every line)
 EXCERPTS = {
-    "demo": (["{demo}"], r"^ +(d_k|16|64|512) "),
+    "demo": (["{demo}"], r"^ {2,3}(d_k|16|64|512) "),
+    "demo-length": (["{demo}"], r"^ +(n_k +scale +logit std +H/log n +planted p|\d+ +\S+ +[\d.]+ +[\d.]+% +[\d.]+)$"),
     "check-random-scaled": (["{check}", "{npy}/q.npy", "{npy}/k.npy", "--heads", "2"], None),
     "check-random-unscaled": (["{check}", "{npy}/q.npy", "{npy}/k.npy", "--heads", "2", "--scale", "none"], FINDINGS),
     "check-minilm": (["{check}", "{data}/minilm/layer0.q.npy", "{data}/minilm/layer0.k.npy"], FINDINGS),

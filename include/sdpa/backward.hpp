@@ -7,7 +7,8 @@
  * `Bias` matrix, dL/dbias shaped like that matrix. dL/dtau is reported for every scale policy:
  * its sign says which way the temperature wants to move (seed C10, C17). A `Learnable` scale
  * passed as a non-const lvalue also accumulates it (`accumulateGrad`), per head for a
- * `PerHead<Learnable<...>>`; a const one is left alone.
+ * `PerHead<Learnable<...>>`; a const one is left alone. For `scale::LogN`, whose tau differs per
+ * row, dscale is dL/dc, the gradient of its parameter, and a non-const LogN accumulates that.
  */
 #ifndef SDPA_BACKWARD_HPP
 #define SDPA_BACKWARD_HPP
@@ -32,7 +33,7 @@ struct Gradients {
   internal::Matrix<Scalar> dq;     ///< n_q x d_k
   internal::Matrix<Scalar> dk;     ///< n_k x d_k
   internal::Matrix<Scalar> dv;     ///< n_k x d_v
-  Scalar dscale = 0;               ///< dL/dtau
+  Scalar dscale = 0;               ///< dL/dtau (scale::LogN: dL/dc)
   internal::Matrix<Scalar> dbias;  ///< shaped like the mask's Bias matrix; empty without one
 };
 
@@ -43,7 +44,7 @@ struct MultiHeadGradients {
   internal::Matrix<Scalar> dq;      ///< like q: n_q x (H d_k); GQA sums the query heads of a kv head into dk, dv
   internal::Matrix<Scalar> dk;      ///< like k: n_k x (H_kv d_k)
   internal::Matrix<Scalar> dv;      ///< like v: n_k x (H_kv d_v)
-  internal::Vector<Scalar> dscale;  ///< H: dL/dtau_h of each query head
+  internal::Vector<Scalar> dscale;  ///< H: dL/dtau_h of each query head (scale::LogN: dL/dc_h)
   /// Shaped like the mask's Bias matrix (a shared n_q x n_k bias gets the sum over heads and
   /// batch items, a per-head one its blocks); empty without one.
   internal::Matrix<Scalar> dbias;
@@ -90,6 +91,18 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
   checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
                               lse.cols(), dO.rows(), dO.cols());
 
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // forward: tau_i q_i . k_j = tau_h (r_i q_i) . k_j with tau_h = c s(d_k)   =>   the gradients
+    // of q' = r q and tau_h, then dq_i = r_i dq'_i and dL/dc = s(d_k) dL/dtau_h.
+    Matrix<double> factors;
+    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, layout, heads, dims.dK, mask, factors);
+    MultiHeadGradients<Scalar> gs =
+        batchedBackward<Scalar>(where, kern, qs, k, v, o, lse, dO, layout, heads, HeadTaus<Scalar>(scale, heads.query, dims.dK), mask, dropout);
+    scaleQueryGradient(gs.dq, factors, dims.dK);
+    using Policy = typename RowFactorPolicy<Scale>::type;
+    gs.dscale *= Scalar(Policy::valueSlope(dims.dK));
+    return gs;
+  }
   MultiHeadGradients<Scalar> g{Matrix<Scalar>::Zero(q.rows(), q.cols()),
                                Matrix<Scalar>::Zero(k.rows(), k.cols()),
                                Matrix<Scalar>::Zero(v.rows(), v.cols()),

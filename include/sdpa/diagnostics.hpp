@@ -610,6 +610,8 @@ Diagnostics diagnoseImpl(const char* where, const Eigen::MatrixBase<DQ>& q, cons
                          const Heads& heads, const Scale& scale, const Mask& mask, const DiagnoseOptions& options) {
   assertScalars<DQ, DK>();
   assertPolicyTypes<Scale, Mask>();
+  SDPA_STATIC_ASSERT(!scale::DependsOnKeyCount<Scale>,
+                     diagnose_TAKES_A_FIXED_TAU_PER_HEAD__NOT_scale_LogN__READ_attentionWeights_FOR_ITS_ENTROPY);
   using Scalar = typename DQ::Scalar;
   // k doubles as v (n_k x H_kv d_k) for the shape check; v is never read here.
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), k.cols(),

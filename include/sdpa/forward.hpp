@@ -17,6 +17,7 @@
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
 #include "internal/forward_tiled.hpp"
+#include "internal/key_count_scale.hpp"
 #include "internal/macros.hpp"
 #include "kernel.hpp"
 #include "layout.hpp"
@@ -103,6 +104,23 @@ void checkForward(const char* where, Index qRows, Index qCols, Index kRows, Inde
   mask.check(where, qRows, kRows);
 }
 
+/// s = mask(tau q k^T) of one head, materialised (attentionLogits, attentionWeights); a
+/// key-count scale as q' = r q with its row-independent tau.
+template <typename DQ, typename DK, typename Scale, typename Mask>
+void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Scale& scale, const Mask& mask,
+              RowMajorMatrix<typename DQ::Scalar>& s) {
+  using Scalar = typename DQ::Scalar;
+  const FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    Matrix<double> factors;
+    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(),
+                                                            mask, factors);
+    forward_naive_impl<Scalar>::logits(qs, k, tau, mask, 0, s);
+  } else {
+    forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
+  }
+}
+
 /// The naive kernel on one head: half-precision inputs are converted to float first.
 template <typename Out, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
@@ -153,20 +171,37 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
   internal::assertOutputScalar<Out, In>();
   internal::checkForward("sdpa::attentionForward", q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
   dropout.check("sdpa::attentionForward");
-  ForwardResult<Out> result{internal::Matrix<Out>(q.rows(), v.cols()),
-                            internal::Vector<internal::Accumulator<In>>(q.rows())};
-  if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
-    if (!sink) {
-      internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
-                                      internal::HeadDims{q.cols(), v.cols()},
-                                      internal::HeadTaus<internal::Accumulator<In>>(scale, 1, q.cols()), mask, dropout,
-                                      result.output, result.logSumExp);
-      return result;
+  using Acc = internal::Accumulator<In>;
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau
+    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
+    if (sink)
+      internal::throwInvalid("sdpa::attentionForward",
+                             "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
+    internal::Matrix<double> factors;
+    const internal::Matrix<Acc> qs = internal::rowScaledQuery<Acc, Scale>(
+        q, internal::singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
+    const internal::FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
+    if constexpr (std::is_same_v<In, Acc>) {
+      return attentionForward<Out>(kern, qs, k, v, tau, mask, dropout);
+    } else {
+      auto r = attentionForward<Acc>(kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout);
+      return ForwardResult<Out>{r.output.template cast<Out>(), std::move(r.logSumExp)};
     }
+  } else {
+    ForwardResult<Out> result{internal::Matrix<Out>(q.rows(), v.cols()), internal::Vector<Acc>(q.rows())};
+    if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
+      if (!sink) {
+        internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
+                                        internal::HeadDims{q.cols(), v.cols()}, internal::HeadTaus<Acc>(scale, 1, q.cols()),
+                                        mask, dropout, result.output, result.logSumExp);
+        return result;
+      }
+    }
+    // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
+    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
+    return result;
   }
-  // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
-  internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
-  return result;
 }
 
 /// \brief attentionForward with the default kernel, kernel::Tiled.
@@ -230,8 +265,7 @@ internal::Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionLogits", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
-  const internal::FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
-  internal::forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
+  internal::logitsOf(q, k, scale, mask, s);
   return s;
 }
 
@@ -248,8 +282,7 @@ internal::Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<D
   internal::checkForward("sdpa::attentionWeights", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
   internal::Vector<Scalar> lse(q.rows());
-  const internal::FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
-  internal::forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
+  internal::logitsOf(q, k, scale, mask, s);
   internal::forward_naive_impl<Scalar>::softmaxRows(s, lse);
   return s;
 }

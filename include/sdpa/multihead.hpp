@@ -22,6 +22,7 @@
 #include "forward.hpp"
 #include "internal/checks.hpp"
 #include "internal/forward_naive.hpp"
+#include "internal/key_count_scale.hpp"
 #include "layout.hpp"
 #include "mask.hpp"
 #include "scale.hpp"
@@ -157,8 +158,23 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
   assertOutputScalar<Out, In>();
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
-  MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
   const HeadTaus<Acc> taus(scale, heads.query, dims.dK);
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // tau_i = tau_h r(n_i): the same call on q' = r q with the per-head taus
+    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
+    if (sink)
+      throwInvalid(where, "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
+    Matrix<double> factors;
+    const Matrix<Acc> qs = rowScaledQuery<Acc, Scale>(q, layout, heads, dims.dK, mask, factors);
+    if constexpr (std::is_same_v<In, Acc>) {
+      return batchedForward<Out>(where, kern, qs, k, v, layout, heads, taus, mask, dropout, nullptr);
+    } else {
+      auto r = batchedForward<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, taus,
+                                   mask, dropout, nullptr);
+      return MultiHeadForwardResult<Out>{r.output.template cast<Out>(), std::move(r.logSumExp)};
+    }
+  }
+  MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
   if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
     if (!sink) {
       forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, r.output, r.logSumExp);

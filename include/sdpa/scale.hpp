@@ -13,6 +13,7 @@
  * | `Constant{c}`       | c                       |      |
  * | `Temperature{T}`    | 1/T                     | C10  |
  * | `Learnable<S>`      | a parameter with a gradient, starts at 1/sqrt(d_k) | C17 |
+ * | `LogN{c}`           | c ln(n_i) / sqrt(d_k) for a row that sees n_i keys; c learnable | C10, C17 |
  */
 #ifndef SDPA_SCALE_HPP
 #define SDPA_SCALE_HPP
@@ -165,6 +166,85 @@ class Learnable {
 };
 
 /**
+ * \brief Log-length scaling: query row i is scaled by tau_i = c ln(n_i) / sqrt(d_k), n_i the keys
+ * that row sees, and c is a learnable parameter.
+ *
+ * With a fixed tau a row's weights spread as the context grows: over n_i logits of a fixed spread
+ * the entropy grows like ln(n_i) (a temperature that no longer fits, seed C10), and a key whose
+ * logit stands out by a fixed margin is diluted among the n_i - 1 others. Multiplying the logits
+ * by ln(n_i) lets such a key keep its weight at any length: Scalable-Softmax (SSMax, Nakanishi
+ * 2025) learns s in softmax(s ln(n) z), and Qwen's "logn" attention scales q by log_L(n) beyond
+ * its training length L. Here tau_i = c ln(n_i) / sqrt(d_k): c = 1 / ln(L) gives exactly
+ * 1/sqrt(d_k) at n_i = L (`LogN::matching(L)`); the default is `matching(512)`.
+ *
+ * n_i counts the keys row i can see: n_k without a mask, fewer under a causal or sliding-window
+ * mask (its row's prefix or window), a Keep matrix, -inf Bias entries or padding (a batch
+ * item's key length). A row that sees a single key has tau_i = 0 (its one weight is 1 anyway);
+ * a row that sees none is fully masked. `value(d_k)` is the row-independent part c / sqrt(d_k);
+ * the kernels fold ln(n_i) into the query rows (a scaled copy of q per call, O(n_q d_k)).
+ *
+ * The backward pass reports dL/dc (not dL/dtau, which differs per row) in `dscale` and, for a
+ * non-const policy, accumulates it: dL/dc = sum_i ln(n_i) / sqrt(d_k) dL/dtau_i.
+ */
+class LogN {
+ public:
+  using Scalar = double;
+  static constexpr bool IsScalePolicy = true;
+  static constexpr bool IsIdentity = false;
+  static constexpr bool IsLearnable = true;
+  /// tau differs per query row with the number of keys the row sees.
+  static constexpr bool DependsOnKeyCount = true;
+
+  /// c = 1 / ln(512): tau = 1/sqrt(d_k) where a row sees 512 keys.
+  LogN() : LogN(1.0 / std::log(512.0)) {}
+  /// c, which must be finite.
+  explicit LogN(double c) { setValue(c); }
+  /// c = 1 / ln(keys): the plain 1/sqrt(d_k) at `keys` visible keys (a model's training length),
+  /// larger beyond it, smaller before it. keys must be >= 2.
+  static LogN matching(Index keys) {
+    if (keys < 2)
+      throw std::invalid_argument("sdpa::scale::LogN::matching: need a length >= 2 (ln 1 = 0), got " +
+                                  std::to_string(keys));
+    return LogN(1.0 / std::log(double(keys)));
+  }
+
+  /// The factor of every row of a head, c / sqrt(d_k) (c for d_k = 0, as InvSqrtDk).
+  template <typename S = double>
+  S value(Index headDim) const {
+    return S(m_c * InvSqrtDk{}.value<double>(headDim));
+  }
+  /// The row's own factor: tau_i = value(d_k) * rowFactor(n_i) = value(d_k) ln(n_i), and 0 for
+  /// n_i <= 1.
+  static double rowFactor(Index visibleKeys) { return visibleKeys > 1 ? std::log(double(visibleKeys)) : 0.0; }
+  /// d value(d_k) / dc = 1 / sqrt(d_k): the backward's dL/dc = slope * dL/d(value).
+  static double valueSlope(Index headDim) { return InvSqrtDk{}.value<double>(headDim); }
+
+  /// The parameter c.
+  double value() const { return m_c; }
+  void setValue(double c) {
+    if (!std::isfinite(c))
+      throw std::invalid_argument("sdpa::scale::LogN: c must be finite, got " + std::to_string(c));
+    m_c = c;
+  }
+
+  /// Accumulated dL/dc since the last zeroGrad().
+  double grad() const { return m_grad; }
+  void accumulateGrad(double g) { m_grad += g; }
+  void zeroGrad() { m_grad = 0; }
+
+ private:
+  double m_c = 0;
+  double m_grad = 0;
+};
+
+namespace internal {
+template <typename T, typename = void>
+struct DependsOnKeyCountImpl : std::false_type {};
+template <typename T>
+struct DependsOnKeyCountImpl<T, std::void_t<decltype(T::DependsOnKeyCount)>> : std::bool_constant<T::DependsOnKeyCount> {};
+}  // namespace internal
+
+/**
  * \brief One scale policy per query head, for the multi-head entry points: a learnable
  * temperature per head (`PerHead<Learnable<float>>(H)`) or per-head constants
  * (`PerHead<Constant>::constants({...})`). Head h is scaled by `head(h).value(d_k)` with the
@@ -179,6 +259,7 @@ class PerHead {
   static constexpr bool IsPerHead = true;
   static constexpr bool IsIdentity = Policy::IsIdentity;
   static constexpr bool IsLearnable = Policy::IsLearnable;
+  static constexpr bool DependsOnKeyCount = internal::DependsOnKeyCountImpl<Policy>::value;
 
   explicit PerHead(std::vector<Policy> heads) : m_heads(std::move(heads)) {}
   /// H default-constructed policies (for Learnable: each starts at 1/sqrt(d_k)).
@@ -213,6 +294,10 @@ struct IsPolicyImpl<T, std::void_t<decltype(T::IsScalePolicy)>> : std::bool_cons
 /// True for the scale policies above (and user policies that follow the same interface).
 template <typename T>
 inline constexpr bool IsPolicy = internal::IsPolicyImpl<std::decay_t<T>>::value;
+
+/// True for policies whose tau depends on the keys a row sees (LogN, PerHead<LogN>).
+template <typename T>
+inline constexpr bool DependsOnKeyCount = internal::DependsOnKeyCountImpl<std::decay_t<T>>::value;
 
 /// True for PerHead<...>: one policy per query head.
 template <typename T>

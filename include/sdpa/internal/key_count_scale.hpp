@@ -1,0 +1,87 @@
+#ifndef SDPA_INTERNAL_KEY_COUNT_SCALE_HPP
+#define SDPA_INTERNAL_KEY_COUNT_SCALE_HPP
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../layout.hpp"
+#include "../mask.hpp"
+#include "../scale.hpp"
+#include "macros.hpp"
+
+/*
+ * A scale whose tau depends on the keys a row sees (scale::LogN: tau_i = value(d_k) r(n_i)) is
+ * reduced, once per call, to a per-head tau and a query with the row factors folded in:
+ *   tau_i q_i . k_j = value(d_k) (r(n_i) q_i) . k_j,
+ * so that every kernel, forward and backward, runs unchanged on q' = r q with the per-head tau.
+ * The backward then maps back: dq_i = r(n_i) dq'_i, and dL/dc = dL/dtau_h dtau_h/dc.
+ */
+namespace sdpa::internal {
+
+/// The policy that defines the row factor: Scale itself, or the policy of each head of a PerHead.
+template <typename Scale>
+struct RowFactorPolicy {
+  using type = Scale;
+};
+template <typename P>
+struct RowFactorPolicy<scale::PerHead<P>> {
+  using type = P;
+};
+
+/// The number of keys row i (of nQ) sees under mask m for query head `head`: whole blocks of keys
+/// by classify, entry by entry only where a block is partly hidden (O(n_k / 64 + 64) per row
+/// for causal and window masks).
+template <typename Mask>
+Index visibleKeys(const Mask& m, Index i, Index nQ, Index nK, Index head) {
+  if constexpr (Mask::IsNone) {
+    return nK;
+  } else {
+    constexpr Index kBlock = 64;
+    Index count = 0;
+    for (Index j0 = 0; j0 < nK; j0 += kBlock) {
+      const Index cols = std::min(kBlock, nK - j0);
+      const mask::Tile t = m.classify(i, 1, j0, cols, nQ, nK, head);
+      if (t == mask::Tile::Visible) {
+        count += cols;
+      } else if (t == mask::Tile::Partial) {
+        for (Index j = j0; j < j0 + cols; ++j) count += m.visible(i, j, nQ, nK, head) ? 1 : 0;
+      }
+    }
+    return count;
+  }
+}
+
+/**
+ * q' = r q for every (item, head) of a packed batch: row i of head h scaled by
+ * r(n_i) = Policy::rowFactor(visible keys of row i under the item's mask for head h), computed in
+ * double and rounded once to S. factors (n_q x H) receives r. q is n_q x (H d_k).
+ */
+template <typename S, typename Scale, typename DQ, typename Mask>
+Matrix<S> rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layout, const Heads& heads, Index dK,
+                         const Mask& mask, Matrix<double>& factors) {
+  using Policy = typename RowFactorPolicy<std::decay_t<Scale>>::type;
+  Matrix<S> qs(q.rows(), q.cols());
+  factors.setZero(q.rows(), heads.query);
+  forEachItemHead(layout, heads, [&](const ItemHead& u) {
+    const auto m = itemMask(mask, u);
+    for (Index i = 0; i < u.nQ; ++i) {
+      const double r = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head));
+      factors(u.q0 + i, u.head) = r;
+      for (Index c = 0; c < dK; ++c)
+        qs(u.q0 + i, u.head * dK + c) = S(r * double(Accumulator<typename DQ::Scalar>(q(u.q0 + i, u.head * dK + c))));
+    }
+  });
+  return qs;
+}
+
+/// dq = r dq' (row i of head h times factors(i, h), in double, rounded once).
+template <typename S>
+void scaleQueryGradient(Matrix<S>& dq, const Matrix<double>& factors, Index dK) {
+  for (Index h = 0; h < factors.cols(); ++h)
+    for (Index c = 0; c < dK; ++c)
+      for (Index i = 0; i < dq.rows(); ++i) dq(i, h * dK + c) = S(factors(i, h) * double(dq(i, h * dK + c)));
+}
+
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_KEY_COUNT_SCALE_HPP
