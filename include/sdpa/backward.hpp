@@ -30,24 +30,24 @@ namespace sdpa {
 template <typename Scalar_>
 struct Gradients {
   using Scalar = Scalar_;
-  internal::Matrix<Scalar> dq;     ///< n_q x d_k
-  internal::Matrix<Scalar> dk;     ///< n_k x d_k
-  internal::Matrix<Scalar> dv;     ///< n_k x d_v
+  Matrix<Scalar> dq;     ///< n_q x d_k
+  Matrix<Scalar> dk;     ///< n_k x d_k
+  Matrix<Scalar> dv;     ///< n_k x d_v
   Scalar dscale = 0;               ///< dL/dtau (scale::LogN: dL/dc)
-  internal::Matrix<Scalar> dbias;  ///< shaped like the mask's Bias matrix; empty without one
+  Matrix<Scalar> dbias;  ///< shaped like the mask's Bias matrix; empty without one
 };
 
 /// \brief Gradients of a multi-head or batched call, in the packed layout of its inputs.
 template <typename Scalar_>
 struct MultiHeadGradients {
   using Scalar = Scalar_;
-  internal::Matrix<Scalar> dq;      ///< like q: n_q x (H d_k); GQA sums the query heads of a kv head into dk, dv
-  internal::Matrix<Scalar> dk;      ///< like k: n_k x (H_kv d_k)
-  internal::Matrix<Scalar> dv;      ///< like v: n_k x (H_kv d_v)
-  internal::Vector<Scalar> dscale;  ///< H: dL/dtau_h of each query head (scale::LogN: dL/dc_h)
+  Matrix<Scalar> dq;      ///< like q: n_q x (H d_k); GQA sums the query heads of a kv head into dk, dv
+  Matrix<Scalar> dk;      ///< like k: n_k x (H_kv d_k)
+  Matrix<Scalar> dv;      ///< like v: n_k x (H_kv d_v)
+  Vector<Scalar> dscale;  ///< H: dL/dtau_h of each query head (scale::LogN: dL/dc_h)
   /// Shaped like the mask's Bias matrix (a shared n_q x n_k bias gets the sum over heads and
   /// batch items, a per-head one its blocks); empty without one.
-  internal::Matrix<Scalar> dbias;
+  Matrix<Scalar> dbias;
 };
 
 namespace internal {

@@ -43,9 +43,6 @@ struct Quantiles {
   double mean = 0, min = 0, p05 = 0, median = 0, p95 = 0, max = 0;
 };
 
-/// Where plain (not max-subtracted) exp overflows: ln of the largest finite value (seed C13).
-inline constexpr double kExpLimitFp16 = 11.089866488461016;  // ln 65504
-inline constexpr double kExpLimitFp32 = 88.72283905206835;   // ln 3.4028e38, bf16's too
 /// Thresholds of the verdicts: p_max above kSaturated is a saturated row; an entropy fraction
 /// H / log(n_visible) above kNearUniform is a near-uniform row.
 inline constexpr double kSaturated = 0.99;

@@ -26,6 +26,11 @@
 
 namespace sdpa {
 
+/// The output type of a forward pass: the input type In unless the caller asked for another
+/// (`attentionForward<float>(...)` on half inputs).
+template <typename Requested, typename In>
+using OutputScalar = std::conditional_t<std::is_void_v<Requested>, In, Requested>;
+
 /**
  * \brief What the forward pass returns: the output and, per query row, the logSumExp of its
  * visible logits, which a backward pass needs to recompute the attention weights.
@@ -36,10 +41,10 @@ struct ForwardResult {
   /// The type of the logits and the logSumExp: float for half, bfloat16 and float, else double.
   using AccScalar = internal::Accumulator<Scalar>;
   /// n_q x d_v. Rows of fully masked queries are 0.
-  internal::Matrix<Scalar> output;
+  Matrix<Scalar> output;
   /// n_q: log sum_j exp(S_ij) over the keys query i sees; -inf for a fully masked row, NaN for a
   /// row with a NaN visible logit.
-  internal::Vector<AccScalar> logSumExp;
+  Vector<AccScalar> logSumExp;
 };
 
 namespace internal {
@@ -81,9 +86,7 @@ void assertForwardScalars() {
                      Q_K_AND_V_MUST_HAVE_THE_SAME_SCALAR_TYPE__CONVERT_WITH_cast);
 }
 
-/// The output type of a forward pass: the input type unless the caller asked for another.
-template <typename Requested, typename In>
-using OutputScalar = std::conditional_t<std::is_void_v<Requested>, In, Requested>;
+using sdpa::OutputScalar;
 
 template <typename Out, typename In>
 void assertOutputScalar() {
@@ -160,7 +163,7 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
+ForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
     DiagnosticsSink* sink = nullptr) {
@@ -178,8 +181,8 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
     if (sink)
       internal::throwInvalid("sdpa::attentionForward",
                              "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
-    internal::Matrix<double> factors;
-    const internal::Matrix<Acc> qs = internal::rowScaledQuery<Acc, Scale>(
+    Matrix<double> factors;
+    const Matrix<Acc> qs = internal::rowScaledQuery<Acc, Scale>(
         q, internal::singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
     const internal::FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
     if constexpr (std::is_same_v<In, Acc>) {
@@ -189,7 +192,7 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
       return ForwardResult<Out>{r.output.template cast<Out>(), std::move(r.logSumExp)};
     }
   } else {
-    ForwardResult<Out> result{internal::Matrix<Out>(q.rows(), v.cols()), internal::Vector<Acc>(q.rows())};
+    ForwardResult<Out> result{Matrix<Out>(q.rows(), v.cols()), Vector<Acc>(q.rows())};
     if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
       if (!sink) {
         internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
@@ -207,7 +210,7 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
 /// \brief attentionForward with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
+ForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
     DiagnosticsSink* sink = nullptr) {
@@ -218,7 +221,7 @@ ForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attentionF
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attention(
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return attentionForward<OutScalar>(kern, q, k, v, scale, mask).output;
@@ -227,7 +230,7 @@ internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attenti
 /// \brief attention with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attention(const Eigen::MatrixBase<DQ>& q,
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(const Eigen::MatrixBase<DQ>& q,
                                                                                    const Eigen::MatrixBase<DK>& k,
                                                                                    const Eigen::MatrixBase<DV>& v,
                                                                                    const Scale& scale = Scale(),
@@ -237,7 +240,7 @@ internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> attenti
 
 /// \brief Scaled dot-product attention, softmax(q k^T / sqrt(d_k) + mask) v (seed C1).
 template <typename DQ, typename DK, typename DV, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> scaledDotProductAttention(const Eigen::MatrixBase<DQ>& q,
+Matrix<typename DQ::Scalar> scaledDotProductAttention(const Eigen::MatrixBase<DQ>& q,
                                                                 const Eigen::MatrixBase<DK>& k,
                                                                 const Eigen::MatrixBase<DV>& v,
                                                                 const Mask& mask = Mask()) {
@@ -247,7 +250,7 @@ internal::Matrix<typename DQ::Scalar> scaledDotProductAttention(const Eigen::Mat
 /// \brief Unscaled dot-product attention, softmax(q k^T + mask) v: what the seed article warns
 /// against for large d_k (C4), kept for comparison and for models trained without a scale.
 template <typename DQ, typename DK, typename DV, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBase<DQ>& q,
+Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBase<DQ>& q,
                                                           const Eigen::MatrixBase<DK>& k,
                                                           const Eigen::MatrixBase<DV>& v, const Mask& mask = Mask()) {
   return attentionForward(q, k, v, scale::None{}, mask).output;
@@ -258,7 +261,7 @@ internal::Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBas
  * Materialises n_q x n_k: for inspection and diagnostics, not for the hot path.
  */
 template <typename DQ, typename DK, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                                       const Scale& scale = Scale(), const Mask& mask = Mask()) {
   internal::assertScalars<DQ, DK>();
   internal::assertPolicies<Scale, Mask>();
@@ -274,14 +277,14 @@ internal::Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ
  * Rows sum to 1, or are 0 for fully masked queries. Materialises n_q x n_k.
  */
 template <typename DQ, typename DK, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
-internal::Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                                        const Scale& scale = Scale(), const Mask& mask = Mask()) {
   internal::assertScalars<DQ, DK>();
   internal::assertPolicies<Scale, Mask>();
   using Scalar = typename DQ::Scalar;
   internal::checkForward("sdpa::attentionWeights", q.rows(), q.cols(), k.rows(), k.cols(), k.rows(), 0, mask);
   internal::RowMajorMatrix<Scalar> s;
-  internal::Vector<Scalar> lse(q.rows());
+  Vector<Scalar> lse(q.rows());
   internal::logitsOf(q, k, scale, mask, s);
   internal::forward_naive_impl<Scalar>::softmaxRows(s, lse);
   return s;

@@ -83,7 +83,6 @@ const auto& headScale(const Scale& scale, Index h) {
 template <typename S>
 struct FixedTau {
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = false;
   S tau;
   template <typename T = double>
@@ -96,7 +95,6 @@ class HeadTaus {
  public:
   static constexpr bool IsScalePolicy = true;
   static constexpr bool IsPerHead = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = false;
   /// `scale` must have been checked against `heads` (checkScaleHeads).
   template <typename Scale>

@@ -310,10 +310,6 @@ class Bias {
     return m_bias(internal::headRowBase(m_bias, nQ, head) + i, j) !=
            -std::numeric_limits<typename Derived::Scalar>::infinity();
   }
-  /// The additive term at (i, j) of head `head`.
-  double bias(Index i, Index j, Index nQ, Index, Index head = 0) const {
-    return double(m_bias(internal::headRowBase(m_bias, nQ, head) + i, j));
-  }
   Tile classify(Index, Index, Index, Index, Index, Index, Index = 0) const { return Tile::Partial; }
   template <typename DerivedS>
   void apply(const Eigen::MatrixBase<DerivedS>& tile_, Index row0, Index col0, Index nQ, Index, Index head = 0) const {
@@ -375,9 +371,6 @@ struct Alibi {
           where, "Alibi has " + std::to_string(slopes.size()) + " slopes for " + std::to_string(heads) + " heads");
   }
   bool visible(Index, Index, Index, Index, Index = 0) const { return true; }
-  double bias(Index i, Index j, Index nQ, Index nK, Index head = 0) const {
-    return -slopes[size_t(head)] * double(std::abs(i + diagonalOffset(align, nQ, nK) - j));
-  }
   Tile classify(Index, Index, Index, Index, Index, Index, Index = 0) const { return Tile::Partial; }
   template <typename DerivedS>
   void apply(const Eigen::MatrixBase<DerivedS>& tile_, Index row0, Index col0, Index nQ, Index nK,

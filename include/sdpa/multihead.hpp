@@ -34,8 +34,8 @@ template <typename Scalar_>
 struct MultiHeadForwardResult {
   using Scalar = Scalar_;
   using AccScalar = internal::Accumulator<Scalar>;
-  internal::Matrix<Scalar> output;
-  internal::Matrix<AccScalar> logSumExp;
+  Matrix<Scalar> output;
+  Matrix<AccScalar> logSumExp;
 };
 
 namespace internal {
@@ -211,7 +211,7 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
+MultiHeadForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
     DiagnosticsSink* sink = nullptr) {
@@ -223,7 +223,7 @@ MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> m
 /// \brief multiHeadAttentionForward with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
+MultiHeadForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
     const Scale& scale = Scale(), const Mask& mask = Mask(), const Dropout& dropout = Dropout(),
     DiagnosticsSink* sink = nullptr) {
@@ -234,7 +234,7 @@ MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> m
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return multiHeadAttentionForward<OutScalar>(kern, q, k, v, heads, scale, mask).output;
@@ -243,7 +243,7 @@ internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHe
 /// \brief multiHeadAttention with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> multiHeadAttention(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const Heads& heads,
     const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return multiHeadAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, heads, scale, mask).output;
@@ -258,7 +258,7 @@ internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> multiHe
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
+MultiHeadForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
     const Dropout& dropout = Dropout(), DiagnosticsSink* sink = nullptr) {
@@ -269,7 +269,7 @@ MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> b
 /// \brief batchedAttentionForward with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
+MultiHeadForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttentionForward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask(),
     const Dropout& dropout = Dropout(), DiagnosticsSink* sink = nullptr) {
@@ -280,7 +280,7 @@ MultiHeadForwardResult<internal::OutputScalar<OutScalar, typename DQ::Scalar>> b
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
     const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return batchedAttentionForward<OutScalar>(kern, q, k, v, layout, heads, scale, mask).output;
@@ -289,7 +289,7 @@ internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batched
 /// \brief batchedAttention with the default kernel, kernel::Tiled.
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
-internal::Matrix<internal::OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return batchedAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, layout, heads, scale, mask).output;

@@ -38,8 +38,6 @@ namespace sdpa::scale {
  */
 struct InvSqrtDk {
   static constexpr bool IsScalePolicy = true;
-  /// tau is 1 for every d_k, so kernels can skip the multiply.
-  static constexpr bool IsIdentity = false;
   /// Holds a parameter and accumulates dL/dtau.
   static constexpr bool IsLearnable = false;
 
@@ -53,7 +51,6 @@ struct InvSqrtDk {
 /// (C4: with d_k = 64 the logits have std 8 and the softmax saturates).
 struct None {
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = true;
   static constexpr bool IsLearnable = false;
 
   template <typename Scalar = double>
@@ -65,7 +62,6 @@ struct None {
 /// \brief tau = c, a runtime constant (for example a model's `softmax_scale`). Must be finite.
 struct Constant {
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = false;
 
   explicit Constant(double c) : m_value(c) {
@@ -88,7 +84,6 @@ struct Constant {
  */
 struct Temperature {
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = false;
 
   explicit Temperature(double t) : m_temperature(t) {
@@ -124,7 +119,6 @@ class Learnable {
   SDPA_STATIC_ASSERT(internal::IsSupportedScalar<Scalar>, LEARNABLE_SCALE_PARAMETER_MUST_BE_float_OR_double);
 
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = true;
 
   /// Starts at 1/sqrt(d_k) of the head it first scales (no value stored until `setValue`).
@@ -190,7 +184,6 @@ class LogN {
  public:
   using Scalar = double;
   static constexpr bool IsScalePolicy = true;
-  static constexpr bool IsIdentity = false;
   static constexpr bool IsLearnable = true;
   /// tau differs per query row with the number of keys the row sees.
   static constexpr bool DependsOnKeyCount = true;
@@ -257,7 +250,6 @@ class PerHead {
   SDPA_STATIC_ASSERT(Policy::IsScalePolicy, PerHead_HOLDS_SCALE_POLICIES__FOR_EXAMPLE_PerHead_OF_Learnable_float);
   static constexpr bool IsScalePolicy = true;
   static constexpr bool IsPerHead = true;
-  static constexpr bool IsIdentity = Policy::IsIdentity;
   static constexpr bool IsLearnable = Policy::IsLearnable;
   static constexpr bool DependsOnKeyCount = internal::DependsOnKeyCountImpl<Policy>::value;
 

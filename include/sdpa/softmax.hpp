@@ -161,7 +161,7 @@ typename Derived::Scalar logSumExp(const Eigen::MatrixBase<Derived>& x) {
 
 /// \brief Softmax of every row of an n x m matrix (each row a distribution over m entries).
 template <typename Derived>
-internal::Matrix<typename Derived::Scalar> rowSoftmax(const Eigen::MatrixBase<Derived>& x) {
+Matrix<typename Derived::Scalar> rowSoftmax(const Eigen::MatrixBase<Derived>& x) {
   SDPA_STATIC_ASSERT(internal::IsSupportedScalar<typename Derived::Scalar>,
                      SOFTMAX_INPUT_MUST_BE_float_OR_double__USE_cast);
   internal::RowMajorMatrix<typename Derived::Scalar> p = x;
@@ -171,11 +171,11 @@ internal::Matrix<typename Derived::Scalar> rowSoftmax(const Eigen::MatrixBase<De
 
 /// \brief logSumExp of every row of an n x m matrix: an n-vector.
 template <typename Derived>
-internal::Vector<typename Derived::Scalar> rowLogSumExp(const Eigen::MatrixBase<Derived>& x) {
+Vector<typename Derived::Scalar> rowLogSumExp(const Eigen::MatrixBase<Derived>& x) {
   SDPA_STATIC_ASSERT(internal::IsSupportedScalar<typename Derived::Scalar>,
                      SOFTMAX_INPUT_MUST_BE_float_OR_double__USE_cast);
   internal::RowMajorMatrix<typename Derived::Scalar> p = x;
-  internal::Vector<typename Derived::Scalar> lse(p.rows());
+  Vector<typename Derived::Scalar> lse(p.rows());
   for (Index i = 0; i < p.rows(); ++i) lse(i) = internal::softmaxInPlace(p.row(i));
   return lse;
 }
@@ -186,10 +186,10 @@ internal::Vector<typename Derived::Scalar> rowLogSumExp(const Eigen::MatrixBase<
  * tends to one-hot, which is how a saturated softmax kills the gradient without any NaN.
  */
 template <typename Derived>
-internal::Matrix<typename Derived::Scalar> softmaxJacobian(const Eigen::MatrixBase<Derived>& p) {
+Matrix<typename Derived::Scalar> softmaxJacobian(const Eigen::MatrixBase<Derived>& p) {
   internal::assertFloatingVector<Derived>();
   const auto pc = p.reshaped();  // n-vector whatever p's orientation
-  internal::Matrix<typename Derived::Scalar> jac = -pc * pc.transpose();
+  Matrix<typename Derived::Scalar> jac = -pc * pc.transpose();
   jac.diagonal() += pc;
   return jac;
 }

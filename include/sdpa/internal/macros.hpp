@@ -13,6 +13,13 @@ namespace sdpa {
 /// Index type of every shape in the library (Eigen's, signed).
 using Index = Eigen::Index;
 
+/// The matrices the public functions return: column-major, dynamic (Eigen::MatrixX<Scalar>).
+template <typename Scalar>
+using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+/// The vectors the public functions return (a logSumExp, a dscale per head).
+template <typename Scalar>
+using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
 namespace internal {
 
 /// Scalars the kernels compute in.
@@ -28,12 +35,10 @@ inline constexpr bool IsHalfScalar = std::is_same_v<T, Eigen::half> || std::is_s
 template <typename T>
 using Accumulator = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-template <typename Scalar>
-using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+using sdpa::Matrix;
+using sdpa::Vector;
 template <typename Scalar>
 using RowMajorMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <typename Scalar>
-using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 
 }  // namespace internal
 }  // namespace sdpa
