@@ -146,6 +146,22 @@ void BM_ForwardHeads(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d * H), timer.seconds(), n, n, d * H);
 }
 
+/// BM_ForwardHeads into preallocated outputs (multiHeadAttentionForwardInto): the difference is
+/// the result's allocation, n x H d floats of fresh pages per call. args: n, H, threads
+void BM_ForwardHeadsInto(benchmark::State& state) {
+  const Index n = state.range(0), H = state.range(1), d = 64;
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, H * d, 1), k = input(n, H * d, 2), v = input(n, H * d, 3);
+  Eigen::MatrixXf out(n, H * d), lse(n, H);
+  sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H}, out, lse);
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H}, out, lse);
+    benchmark::DoNotOptimize(out.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d * H), timer.seconds(), n, n, d * H);
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "d", "threads"});
   for (const Index n : {128, 512, 2048, 8192})
@@ -210,7 +226,12 @@ BENCHMARK(BM_Forward<sdpa::kernel::Tiled>)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForwardHeads)
     ->ArgNames({"n", "H", "threads"})
-    ->ArgsProduct({{1024}, {8}, {1, 2}})
+    ->ArgsProduct({{256, 1024}, {8}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardHeadsInto)
+    ->ArgNames({"n", "H", "threads"})
+    ->ArgsProduct({{256, 1024}, {8}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Block sizes, for tuning: n = 4096.

@@ -10,6 +10,7 @@
 #ifndef SDPA_FORWARD_HPP
 #define SDPA_FORWARD_HPP
 
+#include <string>
 #include <type_traits>
 
 #include "diagnostics_sink.hpp"
@@ -128,7 +129,7 @@ void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, co
 template <typename Out, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                   const Scale& scale, const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink,
-                  ForwardResult<Out>& result) {
+                  Eigen::Ref<Matrix<Out>> output, Eigen::Ref<Vector<Accumulator<typename DQ::Scalar>>> lse) {
   using Acc = Accumulator<typename DQ::Scalar>;
   typename forward_naive_impl<Acc>::Scratch scratch;
   const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
@@ -138,8 +139,66 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   }
   Matrix<Acc> out(q.rows(), v.cols());
   forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), tau, mask,
-                               dropout, 0, 0, 0, out, result.logSumExp, scratch, sink ? &sink->rows(0) : nullptr);
-  result.output = out.template cast<Out>();
+                               dropout, 0, 0, 0, out, lse, scratch, sink ? &sink->rows(0) : nullptr);
+  output = out.template cast<Out>();
+}
+
+/**
+ * The single-head forward into sized outputs (output n_q x d_v, lse n_q), after the checks: the
+ * tiled kernel writes them in place (no allocation once the thread's scratch has grown); the
+ * naive kernel, a sink and a key-count scale go through temporaries.
+ */
+template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                 DiagnosticsSink* sink, Eigen::Ref<Matrix<Out>> output,
+                 Eigen::Ref<Vector<Accumulator<typename DQ::Scalar>>> lse) {
+  using In = typename DQ::Scalar;
+  using Acc = Accumulator<In>;
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau
+    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
+    if (sink)
+      throwInvalid(where, "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
+    Matrix<double> factors;
+    const Matrix<Acc> qs =
+        rowScaledQuery<Acc, Scale>(q, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
+    const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
+    if constexpr (std::is_same_v<In, Acc>) {
+      forwardInto<Out>(where, kern, qs, k, v, tau, mask, dropout, nullptr, output, lse);
+    } else if constexpr (std::is_same_v<Out, Acc>) {
+      forwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout, nullptr,
+                       output, lse);
+    } else {
+      Matrix<Acc> out(output.rows(), output.cols());
+      forwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout, nullptr,
+                       out, lse);
+      output = out.template cast<Out>();
+    }
+  } else {
+    if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
+      if (!sink) {
+        forwardTiled<In, Out>(kern, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
+                              HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse);
+        return;
+      }
+    }
+    // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
+    forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, output, lse);
+  }
+}
+
+/// Checks an output of an allocation-free call: its storage (a Ref binds it in place) and size.
+template <typename DOut>
+void assertWritableOutput() {
+  SDPA_STATIC_ASSERT(!(DOut::Flags & Eigen::RowMajorBit) || DOut::ColsAtCompileTime == 1 || DOut::RowsAtCompileTime == 1,
+                     THE_OUTPUT_MUST_BE_COLUMN_MAJOR__AN_Eigen_MatrixX_A_Map_OR_A_BLOCK_OF_ONE);
+}
+inline void checkOutputShape(const char* where, const char* name, Index rows, Index cols, Index wantRows,
+                             Index wantCols) {
+  if (rows != wantRows || cols != wantCols)
+    throwInvalid(where, std::string(name) + " is " + shapeString(rows, cols) + " but must be " +
+                            shapeString(wantRows, wantCols) + " (allocation-free calls write into outputs the caller sized)");
 }
 
 }  // namespace internal
@@ -174,37 +233,59 @@ ForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
   internal::assertOutputScalar<Out, In>();
   internal::checkForward("sdpa::attentionForward", q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
   dropout.check("sdpa::attentionForward");
+  ForwardResult<Out> result{Matrix<Out>(q.rows(), v.cols()), Vector<internal::Accumulator<In>>(q.rows())};
+  internal::forwardInto<Out>("sdpa::attentionForward", kern, q, k, v, scale, mask, dropout, sink, result.output,
+                             result.logSumExp);
+  return result;
+}
+
+/**
+ * \brief attentionForward into outputs the caller sized, for loops that must not allocate: with
+ * kernel::Tiled, column-major q, k, v (matrices, maps or blocks), float or half inputs (double:
+ * decoding; its prefill products are Eigen's, with a heap workspace) and any policy but
+ * scale::LogN, a call allocates nothing once an earlier call on the same thread was at least as
+ * large (the kernel's plan and scratch are kept per thread; with several OpenMP threads, each
+ * worker's scratch grows on the first call it takes part in).
+ *
+ * \param out       n_q x d_v, column-major (a matrix, a Map or a block of one); its scalar is the
+ *                  output type (the input type, or float for half inputs)
+ * \param logSumExp n_q, of the accumulation type (float for float and half inputs, else double)
+ * Other parameters and errors as attentionForward; out and logSumExp must not alias the inputs.
+ */
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOut, typename DLse,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+void attentionForwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out,
+                          const Eigen::MatrixBase<DLse>& logSumExp, const Scale& scale = Scale(),
+                          const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  internal::assertForwardScalars<DQ, DK, DV>();
+  internal::assertPolicies<Scale, Mask>();
+  using In = typename DQ::Scalar;
+  using Out = typename DOut::Scalar;
   using Acc = internal::Accumulator<In>;
-  if constexpr (scale::DependsOnKeyCount<Scale>) {
-    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau
-    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
-    if (sink)
-      internal::throwInvalid("sdpa::attentionForward",
-                             "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
-    Matrix<double> factors;
-    const Matrix<Acc> qs = internal::rowScaledQuery<Acc, Scale>(
-        q, internal::singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
-    const internal::FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
-    if constexpr (std::is_same_v<In, Acc>) {
-      return attentionForward<Out>(kern, qs, k, v, tau, mask, dropout);
-    } else {
-      auto r = attentionForward<Acc>(kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout);
-      return ForwardResult<Out>{r.output.template cast<Out>(), std::move(r.logSumExp)};
-    }
-  } else {
-    ForwardResult<Out> result{Matrix<Out>(q.rows(), v.cols()), Vector<Acc>(q.rows())};
-    if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
-      if (!sink) {
-        internal::forwardTiled<In, Out>(kern, q, k, v, internal::singleItem(q.rows(), k.rows()), Heads{1},
-                                        internal::HeadDims{q.cols(), v.cols()}, internal::HeadTaus<Acc>(scale, 1, q.cols()),
-                                        mask, dropout, result.output, result.logSumExp);
-        return result;
-      }
-    }
-    // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
-    internal::forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, result);
-    return result;
-  }
+  internal::assertOutputScalar<Out, In>();
+  internal::assertWritableOutput<DOut>();
+  SDPA_STATIC_ASSERT((std::is_same_v<typename DLse::Scalar, Acc>),
+                     THE_logSumExp_OUTPUT_MUST_BE_float_FOR_float_AND_HALF_INPUTS_AND_double_FOR_double);
+  constexpr const char* where = "sdpa::attentionForwardInto";
+  internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+  dropout.check(where);
+  internal::checkOutputShape(where, "out", out.rows(), out.cols(), q.rows(), v.cols());
+  internal::checkOutputShape(where, "logSumExp", logSumExp.rows(), logSumExp.cols(), q.rows(), 1);
+  internal::forwardInto<Out>(where, kern, q, k, v, scale, mask, dropout, nullptr,
+                             Eigen::Ref<Matrix<Out>>(const_cast<DOut&>(out.derived())),
+                             Eigen::Ref<Vector<Acc>>(const_cast<DLse&>(logSumExp.derived())));
+}
+
+/// \brief attentionForwardInto with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DOut, typename DLse, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None, typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+void attentionForwardInto(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out,
+                          const Eigen::MatrixBase<DLse>& logSumExp, const Scale& scale = Scale(),
+                          const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  attentionForwardInto(kernel::Tiled{}, q, k, v, out, logSumExp, scale, mask, dropout);
 }
 
 /// \brief attentionForward with the default kernel, kernel::Tiled.

@@ -5,6 +5,7 @@
 #ifndef SDPA_LAYOUT_HPP
 #define SDPA_LAYOUT_HPP
 
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -98,15 +99,20 @@ class HeadTaus {
   static constexpr bool IsLearnable = false;
   /// `scale` must have been checked against `heads` (checkScaleHeads).
   template <typename Scale>
-  HeadTaus(const Scale& scale, Index heads, Index dK) {
-    m_heads.reserve(size_t(heads));
-    for (Index h = 0; h < heads; ++h) m_heads.push_back({headScale(scale, h).template value<S>(dK)});
+  HeadTaus(const Scale& scale, Index heads, Index dK) : m_size(heads) {
+    // Up to kInline heads without a heap allocation (an allocation-free call stays one).
+    if (heads > kInline) m_more.resize(size_t(heads));
+    FixedTau<S>* taus = heads > kInline ? m_more.data() : m_inline.data();
+    for (Index h = 0; h < heads; ++h) taus[h] = {headScale(scale, h).template value<S>(dK)};
   }
-  Index size() const { return Index(m_heads.size()); }
-  const FixedTau<S>& head(Index h) const { return m_heads[size_t(h)]; }
+  Index size() const { return m_size; }
+  const FixedTau<S>& head(Index h) const { return m_size > kInline ? m_more[size_t(h)] : m_inline[size_t(h)]; }
 
  private:
-  std::vector<FixedTau<S>> m_heads;
+  static constexpr Index kInline = 64;
+  Index m_size;
+  std::array<FixedTau<S>, kInline> m_inline{};
+  std::vector<FixedTau<S>> m_more;
 };
 
 /// One (batch item, query head) pair: the unit of parallel work. Rows q0..q0+nQ of q and
@@ -148,8 +154,15 @@ auto itemMask(const Mask& mask, const ItemHead& u) {
                        mask::KeyLength{u.keyLength});
 }
 
-/// The layout of a plain multi-head call: one item spanning every row.
-inline BatchLayout singleItem(Index qRows, Index kRows) { return BatchLayout::varlen({0, qRows}, {0, kRows}); }
+/// The layout of a plain multi-head call: one item spanning every row. The calling thread's own
+/// layout, rewritten by each call (no allocation after the first): valid until the thread's next
+/// singleItem with other sizes, which within one entry point's call is never.
+inline const BatchLayout& singleItem(Index qRows, Index kRows) {
+  thread_local BatchLayout layout = BatchLayout::varlen({0, 0}, {0, 0});
+  layout.qOffsets[1] = qRows;
+  layout.kOffsets[1] = kRows;
+  return layout;
+}
 
 }  // namespace internal
 }  // namespace sdpa

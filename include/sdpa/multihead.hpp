@@ -76,8 +76,8 @@ void checkScaleHeads(const char* where, const Scale& scale, Index heads) {
 template <typename Scalar, typename Scale, typename Mask>
 void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
                       const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
-                      const Dropout& dropout, const BatchLayout& layout, Matrix<Scalar>& out, Matrix<Scalar>& lse,
-                      DiagnosticsSink* sink) {
+                      const Dropout& dropout, const BatchLayout& layout, Eigen::Ref<Matrix<Scalar>> out,
+                      Eigen::Ref<Matrix<Scalar>> lse, DiagnosticsSink* sink) {
   typename forward_naive_impl<Scalar>::Scratch scratch;
   if (sink) {
     sink->start(heads.query, q.rows());
@@ -144,20 +144,16 @@ HeadDims checkBatch(const char* where, Index qRows, Index qCols, Index kRows, In
   return dims;
 }
 
-/// The multi-head and batched forward of either kernel (a sink selects the naive one).
+/// The multi-head and batched forward of either kernel (a sink selects the naive one) into
+/// sized outputs, after checkBatch: out (sum n_q) x (H d_v), lse (sum n_q) x H.
 template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
-                                           const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                                           const BatchLayout& layout, const Heads& heads, const Scale& scale,
-                                           const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink) {
-  assertKernel<Kernel>();
-  assertForwardScalars<DQ, DK, DV>();
-  assertPolicyTypes<Scale, Mask>();
+void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                        const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
+                        const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
+                        const Dropout& dropout, DiagnosticsSink* sink, Eigen::Ref<Matrix<Out>> out,
+                        Eigen::Ref<Matrix<Accumulator<typename DQ::Scalar>>> lse) {
   using In = typename DQ::Scalar;
   using Acc = Accumulator<In>;
-  assertOutputScalar<Out, In>();
-  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
-                                   scale, mask, dropout);
   const HeadTaus<Acc> taus(scale, heads.query, dims.dK);
   if constexpr (scale::DependsOnKeyCount<Scale>) {
     // tau_i = tau_h r(n_i): the same call on q' = r q with the per-head taus
@@ -167,30 +163,82 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
     Matrix<double> factors;
     const Matrix<Acc> qs = rowScaledQuery<Acc, Scale>(q, layout, heads, dims.dK, mask, factors);
     if constexpr (std::is_same_v<In, Acc>) {
-      return batchedForward<Out>(where, kern, qs, k, v, layout, heads, taus, mask, dropout, nullptr);
+      batchedForwardInto<Out>(where, kern, qs, k, v, layout, heads, dims, taus, mask, dropout, nullptr, out, lse);
+    } else if constexpr (std::is_same_v<Out, Acc>) {
+      batchedForwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, dims,
+                              taus, mask, dropout, nullptr, out, lse);
     } else {
-      auto r = batchedForward<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, taus,
-                                   mask, dropout, nullptr);
-      return MultiHeadForwardResult<Out>{r.output.template cast<Out>(), std::move(r.logSumExp)};
+      Matrix<Acc> outAcc(out.rows(), out.cols());
+      batchedForwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, dims,
+                              taus, mask, dropout, nullptr, outAcc, lse);
+      out = outAcc.template cast<Out>();
     }
-  }
-  MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
-  if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-    if (!sink) {
-      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, r.output, r.logSumExp);
-      return r;
-    }
-  }
-  if constexpr (std::is_same_v<Out, Acc>) {
-    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
-                          mask, dropout, layout, r.output, r.logSumExp, sink);
+    return;
   } else {
-    Matrix<Acc> out(r.output.rows(), r.output.cols());
-    multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
-                          mask, dropout, layout, out, r.logSumExp, sink);
-    r.output = out.template cast<Out>();
+    if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
+      if (!sink) {
+        forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, out, lse);
+        return;
+      }
+    }
+    if constexpr (std::is_same_v<Out, Acc>) {
+      multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
+                            mask, dropout, layout, out, lse, sink);
+    } else {
+      Matrix<Acc> outAcc(out.rows(), out.cols());
+      multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
+                            mask, dropout, layout, outAcc, lse, sink);
+      out = outAcc.template cast<Out>();
+    }
   }
+}
+
+/// The compile-time checks of every multi-head or batched forward entry point.
+template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+void assertBatchedForward() {
+  assertKernel<Kernel>();
+  assertForwardScalars<DQ, DK, DV>();
+  assertPolicyTypes<Scale, Mask>();
+  assertOutputScalar<Out, typename DQ::Scalar>();
+}
+
+/// The multi-head and batched forward of either kernel, allocating its result.
+template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                           const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                                           const BatchLayout& layout, const Heads& heads, const Scale& scale,
+                                           const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink) {
+  assertBatchedForward<Out, Kernel, DQ, DK, DV, Scale, Mask>();
+  using Acc = Accumulator<typename DQ::Scalar>;
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
+                                   scale, mask, dropout);
+  MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
+  batchedForwardInto<Out>(where, kern, q, k, v, layout, heads, dims, scale, mask, dropout, sink, r.output,
+                          r.logSumExp);
   return r;
+}
+
+/// The same into outputs the caller sized (checked).
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOut, typename DLse, typename Scale,
+          typename Mask>
+void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                        const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const BatchLayout& layout,
+                        const Heads& heads, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                        const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DLse>& lse) {
+  using Out = typename DOut::Scalar;
+  using Acc = Accumulator<typename DQ::Scalar>;
+  assertBatchedForward<Out, Kernel, DQ, DK, DV, Scale, Mask>();
+  assertWritableOutput<DOut>();
+  assertWritableOutput<DLse>();
+  SDPA_STATIC_ASSERT((std::is_same_v<typename DLse::Scalar, Acc>),
+                     THE_logSumExp_OUTPUT_MUST_BE_float_FOR_float_AND_HALF_INPUTS_AND_double_FOR_double);
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
+                                   scale, mask, dropout);
+  checkOutputShape(where, "out", out.rows(), out.cols(), q.rows(), heads.query * dims.dV);
+  checkOutputShape(where, "logSumExp", lse.rows(), lse.cols(), q.rows(), heads.query);
+  batchedForwardInto<Out>(where, kern, q, k, v, layout, heads, dims, scale, mask, dropout, nullptr,
+                          Eigen::Ref<Matrix<Out>>(const_cast<DOut&>(out.derived())),
+                          Eigen::Ref<Matrix<Acc>>(const_cast<DLse&>(lse.derived())));
 }
 
 }  // namespace internal
@@ -293,6 +341,59 @@ Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> batchedAttention(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const BatchLayout& layout, const Heads& heads, const Scale& scale = Scale(), const Mask& mask = Mask()) {
   return batchedAttentionForward<OutScalar>(kernel::Tiled{}, q, k, v, layout, heads, scale, mask).output;
+}
+
+/**
+ * \brief multiHeadAttentionForward into outputs the caller sized: out n_q x (H d_v), logSumExp
+ * n_q x H (the accumulation type), both column-major. Allocation-free under the conditions of
+ * attentionForwardInto.
+ */
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOut, typename DLse,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+void multiHeadAttentionForwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                   const Eigen::MatrixBase<DV>& v, const Heads& heads,
+                                   const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                                   const Scale& scale = Scale(), const Mask& mask = Mask(),
+                                   const Dropout& dropout = Dropout()) {
+  internal::batchedForwardInto("sdpa::multiHeadAttentionForwardInto", kern, q, k, v,
+                               internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout, out, logSumExp);
+}
+
+/// \brief multiHeadAttentionForwardInto with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DOut, typename DLse, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None, typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+void multiHeadAttentionForwardInto(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                   const Eigen::MatrixBase<DV>& v, const Heads& heads,
+                                   const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                                   const Scale& scale = Scale(), const Mask& mask = Mask(),
+                                   const Dropout& dropout = Dropout()) {
+  multiHeadAttentionForwardInto(kernel::Tiled{}, q, k, v, heads, out, logSumExp, scale, mask, dropout);
+}
+
+/// \brief batchedAttentionForward into outputs the caller sized: out (sum n_q) x (H d_v),
+/// logSumExp (sum n_q) x H. Allocation-free under the conditions of attentionForwardInto.
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOut, typename DLse,
+          typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+void batchedAttentionForwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                 const Eigen::MatrixBase<DV>& v, const BatchLayout& layout, const Heads& heads,
+                                 const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                                 const Scale& scale = Scale(), const Mask& mask = Mask(),
+                                 const Dropout& dropout = Dropout()) {
+  internal::batchedForwardInto("sdpa::batchedAttentionForwardInto", kern, q, k, v, layout, heads, scale, mask, dropout,
+                               out, logSumExp);
+}
+
+/// \brief batchedAttentionForwardInto with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DOut, typename DLse, typename Scale = scale::InvSqrtDk,
+          typename Mask = mask::None, typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+void batchedAttentionForwardInto(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                 const Eigen::MatrixBase<DV>& v, const BatchLayout& layout, const Heads& heads,
+                                 const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                                 const Scale& scale = Scale(), const Mask& mask = Mask(),
+                                 const Dropout& dropout = Dropout()) {
+  batchedAttentionForwardInto(kernel::Tiled{}, q, k, v, layout, heads, out, logSumExp, scale, mask, dropout);
 }
 
 }  // namespace sdpa

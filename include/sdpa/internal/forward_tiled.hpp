@@ -375,7 +375,24 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   }
   const TileSizes tile = tileSizes(kernel, dims.dK, dims.dV);
 
-  std::vector<ItemHead> pairs;
+  // The call's plan, in the calling thread's containers: cleared, never shrunk, so that a call
+  // allocates nothing once an earlier one on the thread was as large (allocation-free calls).
+  struct Unit {
+    Index pair, i0, rows, splits, firstPart;
+  };
+  struct Plan {
+    std::vector<ItemHead> pairs;
+    std::vector<Unit> units;
+    std::vector<fast::LogitBounds> bounds;
+    std::vector<fast::Bf16Head> bf16;
+    std::vector<const float*> kF, vF;
+    std::vector<Index> offset, owner, owners, unitOf;
+    std::vector<OnlineSoftmax<Acc>> states;
+    std::vector<char> done;
+  };
+  thread_local Plan plan;
+  auto& pairs = plan.pairs;
+  pairs.clear();
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
   // The fast prefill kernels (forward_fast.hpp), without dropout, for float and for bfloat16 or
   // half inputs (kernel.products: fp32 products of k and v converted once per call, or bf16
@@ -393,10 +410,8 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
   // fewer are decoding, split over key ranges.
   const auto prefill = [&](const ItemHead& u) { return useFast && u.nQ > Impl::kDecodeRows; };
-  struct Unit {
-    Index pair, i0, rows, splits, firstPart;
-  };
-  std::vector<Unit> units;
+  auto& units = plan.units;
+  units.clear();
   Index parts = 0;
   for (Index p = 0; p < Index(pairs.size()); ++p)
     for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q) {
@@ -410,12 +425,11 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   // bf16 pairs never straddle two key tiles: an even tile length; the AMX products take blocks of
   // 32 keys.
   const Index bk = useAmx ? fast::amx::roundUp(tile.k, fast::amx::kKeys) : useBf16 ? tile.k + (tile.k & 1) : tile.k;
-  std::vector<fast::LogitBounds> bounds;
+  auto& bounds = plan.bounds;
   // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
   // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
   // (fresh pages cost more than the conversion).
-  std::vector<fast::Bf16Head> bf16;
-  std::vector<const float*> kF, vF;
+  auto &bf16 = plan.bf16, &kF = plan.kF, &vF = plan.vF;
   if (useFast) {
     bounds.resize(pairs.size());
     for (size_t p = 0; p < pairs.size(); ++p) {
@@ -426,7 +440,10 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
     if constexpr (kHalf) {
       // The pairs that share an (item, kv head) share its conversion, done by the first of them.
-      std::vector<Index> offset(pairs.size(), -1), owner(pairs.size()), owners;
+      auto &offset = plan.offset, &owner = plan.owner, &owners = plan.owners;
+      offset.assign(pairs.size(), -1);
+      owner.resize(pairs.size());
+      owners.clear();
       Index words = 0;
       for (size_t p = 0; p < pairs.size(); ++p) {
         const ItemHead& u = pairs[p];
@@ -525,13 +542,16 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     return;
   }
   // Few units: every split of every unit is a work item of its own.
-  std::vector<OnlineSoftmax<Acc>> states(static_cast<size_t>(parts));
-  std::vector<Index> unitOf(static_cast<size_t>(parts));
+  auto& states = plan.states;
+  if (states.size() < size_t(parts)) states.resize(size_t(parts));
+  auto& unitOf = plan.unitOf;
+  unitOf.resize(size_t(parts));
   for (size_t w = 0; w < units.size(); ++w)
     for (Index s = 0; s < units[w].splits; ++s) unitOf[size_t(units[w].firstPart + s)] = Index(w);
   // (A prefill unit among them takes the fast kernel here as in the loop above: which kernel
   // computes a row never depends on the thread count.)
-  std::vector<char> done(units.size(), 0);
+  auto& done = plan.done;
+  done.assign(units.size(), 0);
   parallelFor(parts, threads, [&](Index i) {
     const Index u = unitOf[size_t(i)];
     const Unit& w = units[size_t(u)];
