@@ -429,7 +429,9 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
   // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
   // (fresh pages cost more than the conversion).
-  auto &bf16 = plan.bf16, &kF = plan.kF, &vF = plan.vF;
+  auto& bf16 = plan.bf16;
+  auto& kF = plan.kF;
+  auto& vF = plan.vF;
   if (useFast) {
     bounds.resize(pairs.size());
     for (size_t p = 0; p < pairs.size(); ++p) {
@@ -440,7 +442,9 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
     if constexpr (kHalf) {
       // The pairs that share an (item, kv head) share its conversion, done by the first of them.
-      auto &offset = plan.offset, &owner = plan.owner, &owners = plan.owners;
+      auto& offset = plan.offset;
+      auto& owner = plan.owner;
+      auto& owners = plan.owners;
       offset.assign(pairs.size(), -1);
       owner.resize(pairs.size());
       owners.clear();
