@@ -66,8 +66,8 @@ void checkBackwardInputs(const char* where, Index nQ, Index outCols, Index lseCo
 }
 
 /// Adds the per-head dL/dtau to a Learnable parameter (shared: the sum; PerHead: each head).
-template <typename Scale, typename Scalar>
-void accumulateScaleGrad(Scale& scale, const Vector<Scalar>& dscale) {
+template <typename Scale, typename D>
+void accumulateScaleGrad(Scale& scale, const Eigen::MatrixBase<D>& dscale) {
   if constexpr (scale::IsPerHead<Scale>) {
     if constexpr (Scale::IsLearnable)
       for (Index h = 0; h < dscale.size(); ++h) scale.head(h).accumulateGrad(typename Scale::Policy::Scalar(dscale(h)));
@@ -80,59 +80,110 @@ template <typename Scale>
 inline constexpr bool AccumulatesInto =
     std::decay_t<Scale>::IsLearnable && !std::is_const_v<std::remove_reference_t<Scale>>;
 
+/**
+ * The backward of either kernel into gradients the caller sized and zeroed, after the checks:
+ * dq n_q x (H d_k), dk n_k x (H_kv d_k), dv n_k x (H_kv d_v), dscale H (dL/dtau_h, or dL/dc_h
+ * for a key-count scale); dbias, if not null, shaped as the mask's Bias matrix.
+ */
+template <typename Scalar, typename Kernel, typename Scale, typename Mask>
+void batchedBackwardInto(const Kernel& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
+                         const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout,
+                         const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
+                         const Dropout& dropout, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
+                         Eigen::Ref<Matrix<Scalar>> dv, Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // forward: tau_i q_i . k_j = tau_h (r_i q_i) . k_j with tau_h = c s(d_k)   =>   the gradients
+    // of q' = r q and tau_h, then dq_i = r_i dq'_i and dL/dc = s(d_k) dL/dtau_h.
+    Matrix<double> factors;
+    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, layout, heads, dims.dK, mask, factors);
+    batchedBackwardInto<Scalar>(kern, qs, k, v, dO, layout, heads, dims, HeadTaus<Scalar>(scale, heads.query, dims.dK),
+                                mask, dropout, dq, dk, dv, dscale, dbias);
+    scaleQueryGradient<Scalar>(dq, factors, dims.dK);
+    using Policy = typename RowFactorPolicy<Scale>::type;
+    dscale *= Scalar(Policy::valueSlope(dims.dK));
+  } else {
+    const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
+    if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
+      backwardTiled<Scalar>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale, dbias);
+    } else {  // an else, not an early return: a tiled call must not instantiate the naive kernel
+      typename backward_naive_impl<Scalar>::Scratch scratch;
+      Vector<double> dtau = Vector<double>::Zero(heads.query);
+      forEachItemHead(layout, heads, [&](const ItemHead& u) {
+        const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
+        dtau(u.head) += backward_naive_impl<Scalar>::run(
+            headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+            headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
+            taus.head(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
+            headBlock(dq, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+            headBlock(dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), dbias, dbiasRow0, scratch);
+      });
+      dscale += dtau.template cast<Scalar>();
+    }
+  }
+}
+
+/// Every run-time check of a backward call; returns each head's d_k and d_v.
+template <typename Scalar, typename Scale, typename Mask>
+HeadDims checkBackward(const char* where, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
+                       const ConstRef<Scalar>& v, const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
+                       const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads, const Scale& scale,
+                       const Mask& mask, const Dropout& dropout) {
+  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
+                                   scale, mask, dropout);
+  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
+                              lse.cols(), dO.rows(), dO.cols());
+  return dims;
+}
+
 template <typename Scalar, typename Kernel, typename Scale, typename Mask>
 MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
                                            const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
                                            const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
                                            const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
                                            const Scale& scale, const Mask& mask, const Dropout& dropout) {
-  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
-                                   scale, mask, dropout);
-  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
-                              lse.cols(), dO.rows(), dO.cols());
-
-  if constexpr (scale::DependsOnKeyCount<Scale>) {
-    // forward: tau_i q_i . k_j = tau_h (r_i q_i) . k_j with tau_h = c s(d_k)   =>   the gradients
-    // of q' = r q and tau_h, then dq_i = r_i dq'_i and dL/dc = s(d_k) dL/dtau_h.
-    Matrix<double> factors;
-    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, layout, heads, dims.dK, mask, factors);
-    MultiHeadGradients<Scalar> gs =
-        batchedBackward<Scalar>(where, kern, qs, k, v, o, lse, dO, layout, heads, HeadTaus<Scalar>(scale, heads.query, dims.dK), mask, dropout);
-    scaleQueryGradient(gs.dq, factors, dims.dK);
-    using Policy = typename RowFactorPolicy<Scale>::type;
-    gs.dscale *= Scalar(Policy::valueSlope(dims.dK));
-    return gs;
-  }
+  const HeadDims dims = checkBackward<Scalar>(where, q, k, v, o, lse, dO, layout, heads, scale, mask, dropout);
   MultiHeadGradients<Scalar> g{Matrix<Scalar>::Zero(q.rows(), q.cols()),
                                Matrix<Scalar>::Zero(k.rows(), k.cols()),
                                Matrix<Scalar>::Zero(v.rows(), v.cols()),
                                Vector<Scalar>::Zero(heads.query),
                                {}};
-  // Not a structured binding: C++17 lambdas cannot capture those (clang rejects it).
   const std::pair<Index, Index> biasShape = mask::internal::biasMatrixShape(mask);
-  const Index biasRows = biasShape.first;
-  if (biasRows >= 0) g.dbias.setZero(biasRows, biasShape.second);
-  const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
-  if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-    backwardTiled<Scalar>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, g.dq, g.dk, g.dv, g.dscale,
-                          biasRows >= 0 ? &g.dbias : nullptr);
-  } else {  // an else, not an early return: a tiled call must not instantiate the naive kernel
-    typename backward_naive_impl<Scalar>::Scratch scratch;
-    Vector<double> dscale = Vector<double>::Zero(heads.query);
-    forEachItemHead(layout, heads, [&](const ItemHead& u) {
-      const Index dbiasRow0 = biasRows == u.nQ ? 0 : u.head * u.nQ;
-      dscale(u.head) += backward_naive_impl<Scalar>::run(
-          headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
-          taus.head(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
-          headBlock(g.dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
-          headBlock(g.dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-          headBlock(g.dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), biasRows >= 0 ? &g.dbias : nullptr, dbiasRow0,
-          scratch);
-    });
-    g.dscale = dscale.template cast<Scalar>();
-  }
+  if (biasShape.first >= 0) g.dbias.setZero(biasShape.first, biasShape.second);
+  batchedBackwardInto<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, g.dq, g.dk, g.dv, g.dscale,
+                              biasShape.first >= 0 ? &g.dbias : nullptr);
   return g;
+}
+
+/// The backward into the caller's gradients (checked, then zeroed); the bias gradient is not
+/// computed.
+template <typename Scalar, typename Kernel, typename Scale, typename Mask, typename DDq, typename DDk, typename DDv,
+          typename DDs>
+void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
+                                const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, const ConstRef<Scalar>& o,
+                                const ConstRef<Scalar>& lse, const ConstRef<Scalar>& dO, const BatchLayout& layout,
+                                const Heads& heads, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                                const Eigen::MatrixBase<DDq>& dq, const Eigen::MatrixBase<DDk>& dk,
+                                const Eigen::MatrixBase<DDv>& dv, const Eigen::MatrixBase<DDs>& dscale) {
+  assertWritableOutput<DDq>();
+  assertWritableOutput<DDk>();
+  assertWritableOutput<DDv>();
+  SDPA_STATIC_ASSERT((std::is_same_v<typename DDq::Scalar, Scalar> && std::is_same_v<typename DDk::Scalar, Scalar> &&
+                      std::is_same_v<typename DDv::Scalar, Scalar> && std::is_same_v<typename DDs::Scalar, Scalar>),
+                     THE_GRADIENTS_MUST_HAVE_THE_SCALAR_TYPE_OF_THE_INPUTS);
+  const HeadDims dims = checkBackward<Scalar>(where, q, k, v, o, lse, dO, layout, heads, scale, mask, dropout);
+  checkOutputShape(where, "dq", dq.rows(), dq.cols(), q.rows(), q.cols());
+  checkOutputShape(where, "dk", dk.rows(), dk.cols(), k.rows(), k.cols());
+  checkOutputShape(where, "dv", dv.rows(), dv.cols(), v.rows(), v.cols());
+  checkOutputShape(where, "dscale", dscale.rows(), dscale.cols(), heads.query, 1);
+  Eigen::Ref<Matrix<Scalar>> dqR(const_cast<DDq&>(dq.derived())), dkR(const_cast<DDk&>(dk.derived())),
+      dvR(const_cast<DDv&>(dv.derived()));
+  Eigen::Ref<Vector<Scalar>> dsR(const_cast<DDs&>(dscale.derived()));
+  dqR.setZero();
+  dkR.setZero();
+  dvR.setZero();
+  dsR.setZero();
+  batchedBackwardInto<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, dqR, dkR, dvR, dsR,
+                              nullptr);
 }
 
 template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>
@@ -255,6 +306,100 @@ MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
     const Dropout& dropout = Dropout()) {
   return batchedAttentionBackward(kernel::Tiled{}, q, k, v, fwd, dOut, layout, heads, std::forward<Scale>(scale), mask,
                                   dropout);
+}
+
+/**
+ * \brief The backward pass into gradients the caller sized, for training loops that must not
+ * allocate: returns dL/dtau (dL/dc for scale::LogN) and, for a non-const Learnable or LogN,
+ * accumulates it as attentionBackward does.
+ *
+ * \param out, logSumExp the forward's results (from attentionForwardInto or attentionForward)
+ * \param dq, dk, dv column-major, n_q x d_k, n_k x d_k, n_k x d_v (checked), overwritten
+ * Other parameters as attentionBackward. The gradient of a Bias matrix is not computed (the
+ * allocating attentionBackward returns it). With kernel::Tiled, column-major inputs and a fixed
+ * tau, a call allocates nothing once an earlier one on the thread was as large, except for the
+ * workspace Eigen's products take on the heap where it exceeds their stack limit (128 KiB):
+ * the backward's products are Eigen's (NUMERICS.md, tests/test_allocations.cpp).
+ */
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO,
+          typename DDq, typename DDk, typename DDv, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+typename DQ::Scalar attentionBackwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                          const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                                          const Eigen::MatrixBase<DOutF>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                                          const Eigen::MatrixBase<DO>& dOut, const Eigen::MatrixBase<DDq>& dq,
+                                          const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
+                                          Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+  using S = std::decay_t<Scale>;
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, S, Mask>();
+  SDPA_STATIC_ASSERT(!scale::IsPerHead<S>,
+                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackwardInto);
+  using Scalar = typename DQ::Scalar;
+  constexpr const char* where = "sdpa::attentionBackwardInto";
+  internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+  Scalar dscale[1] = {Scalar(0)};
+  Eigen::Map<Vector<Scalar>> ds(dscale, 1);
+  internal::batchedBackwardIntoChecked<Scalar>(where, kern, q, k, v, out, logSumExp, dOut,
+                                               internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask,
+                                               dropout, dq, dk, dv, ds);
+  if constexpr (internal::AccumulatesInto<Scale>) scale.accumulateGrad(typename S::Scalar(dscale[0]));
+  return dscale[0];
+}
+
+/// \brief attentionBackwardInto with the default kernel, kernel::Tiled.
+template <typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO, typename DDq,
+          typename DDk, typename DDv, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+typename DQ::Scalar attentionBackwardInto(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOutF>& out,
+                                          const Eigen::MatrixBase<DLse>& logSumExp, const Eigen::MatrixBase<DO>& dOut,
+                                          const Eigen::MatrixBase<DDq>& dq, const Eigen::MatrixBase<DDk>& dk,
+                                          const Eigen::MatrixBase<DDv>& dv, Scale&& scale, const Mask& mask = Mask(),
+                                          const Dropout& dropout = Dropout()) {
+  return attentionBackwardInto(kernel::Tiled{}, q, k, v, out, logSumExp, dOut, dq, dk, dv, std::forward<Scale>(scale),
+                               mask, dropout);
+}
+
+/**
+ * \brief batchedAttentionBackward into gradients the caller sized (packed as the inputs; dscale
+ * H, dL/dtau_h), under the conditions of attentionBackwardInto. multiHeadAttentionBackwardInto is
+ * this with one item: `BatchLayout::varlen({0, n_q}, {0, n_k})`.
+ */
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO,
+          typename DDq, typename DDk, typename DDv, typename DDs, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+void batchedAttentionBackwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                  const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOutF>& out,
+                                  const Eigen::MatrixBase<DLse>& logSumExp, const Eigen::MatrixBase<DO>& dOut,
+                                  const BatchLayout& layout, const Heads& heads, const Eigen::MatrixBase<DDq>& dq,
+                                  const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
+                                  const Eigen::MatrixBase<DDs>& dscale, Scale&& scale, const Mask& mask = Mask(),
+                                  const Dropout& dropout = Dropout()) {
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  using Scalar = typename DQ::Scalar;
+  internal::batchedBackwardIntoChecked<Scalar>("sdpa::batchedAttentionBackwardInto", kern, q, k, v, out, logSumExp,
+                                               dOut, layout, heads, scale, mask, dropout, dq, dk, dv, dscale);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, dscale);
+}
+
+/// \brief multiHeadAttentionBackward into gradients the caller sized (see
+/// batchedAttentionBackwardInto).
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO,
+          typename DDq, typename DDk, typename DDv, typename DDs, typename Scale, typename Mask = mask::None,
+          typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
+void multiHeadAttentionBackwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOutF>& out,
+                                    const Eigen::MatrixBase<DLse>& logSumExp, const Eigen::MatrixBase<DO>& dOut,
+                                    const Heads& heads, const Eigen::MatrixBase<DDq>& dq,
+                                    const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
+                                    const Eigen::MatrixBase<DDs>& dscale, Scale&& scale, const Mask& mask = Mask(),
+                                    const Dropout& dropout = Dropout()) {
+  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  using Scalar = typename DQ::Scalar;
+  internal::batchedBackwardIntoChecked<Scalar>("sdpa::multiHeadAttentionBackwardInto", kern, q, k, v, out, logSumExp,
+                                               dOut, internal::singleItem(q.rows(), k.rows()), heads, scale, mask,
+                                               dropout, dq, dk, dv, dscale);
+  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, dscale);
 }
 
 }  // namespace sdpa

@@ -377,15 +377,15 @@ template <typename Scalar, typename Scale, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
                    const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
                    const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
-                   Matrix<Scalar>& dq, Matrix<Scalar>& dk, Matrix<Scalar>& dv, Vector<Scalar>& dscale,
-                   Matrix<Scalar>* dbias) {
+                   Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
+                   Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
     // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
     // behaviour, so run with one zero column and drop its gradient. d_k = 0: the logits are 0
     // either way and dtau = sum dY X = 0. d_v = 0: a zero dO gives dP = 0 and D = 0, so every
     // gradient is 0, as it is for a loss that cannot depend on an empty output.
-    Matrix<Scalar> q1, k1, dq1, dk1, v1, dO1, dv1;
+    Matrix<Scalar> q1, k1, dq1, dk1, v1, dO1, dv1;  // (degenerate shapes only: these allocate)
     if (dims.dK == 0) {
       q1.setZero(q.rows(), heads.query);
       k1.setZero(k.rows(), heads.keyValue);
@@ -402,18 +402,33 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
                           noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
-                          noK ? dq1 : dq, noK ? dk1 : dk, noV ? dv1 : dv, dscale, dbias);
+                          noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
+                          noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias);
     return;
   }
   const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
   const Index H = heads.query;
-  std::vector<ItemHead> pairs;
+  // The call's plan and per-call buffers, in the calling thread's containers (grown, never
+  // shrunk): no allocation once an earlier call on the thread was as large.
+  struct Unit {
+    Index pair, i0, rows;
+  };
+  struct Plan {
+    std::vector<ItemHead> pairs;
+    std::vector<Unit> units;
+    std::vector<typename Impl::Scratch*> scratchOf;
+    Buffer<Scalar> qs, rowStats;
+    Buffer<double> dscaleT;
+  };
+  thread_local Plan plan;
+  auto& pairs = plan.pairs;
+  pairs.clear();
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
   // Once per call: qs = tau_h q (the scale folded into q where |tau_h| <= 1, as in the forward);
   // whether every input is finite. (The forward's output O is not read: D is summed from this
   // pass's P.)
-  Matrix<Scalar> qs(q.rows(), q.cols());
+  Eigen::Map<Matrix<Scalar>> qs(plan.qs.get(q.rows() * q.cols()), q.rows(), q.cols());
   for (Index h = 0; h < H; ++h) {
     const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
     qs.middleCols(h * dims.dK, dims.dK) =
@@ -445,7 +460,10 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     f(hd);
   };
   // Rows of every (item, head): the softmax of each row and the centre of its dtau sum.
-  Matrix<Scalar> rowMax(q.rows(), H), rowSum(q.rows(), H), rowD(q.rows(), H), centre(q.rows(), H);
+  const Index nH = q.rows() * H;
+  Scalar* stats = plan.rowStats.get(4 * nH);
+  Eigen::Map<Matrix<Scalar>> rowMax(stats, q.rows(), H), rowSum(stats + nH, q.rows(), H),
+      rowD(stats + 2 * nH, q.rows(), H), centre(stats + 3 * nH, q.rows(), H);
   const auto rowsOf = [&](const ItemHead& u) {
     return typename Impl::Rows{rowMax.col(u.head).segment(u.q0, u.nQ), rowSum.col(u.head).segment(u.q0, u.nQ),
                                rowD.col(u.head).segment(u.q0, u.nQ), centre.col(u.head).segment(u.q0, u.nQ)};
@@ -454,16 +472,17 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   // Work units: (item, query head, query block), each owning its rows of dq. dk, dv and a
   // shared bias gradient collect terms from every unit: each thread keeps its own (thread 0
   // writes the caller's), summed after the loop.
-  struct Unit {
-    Index pair, i0, rows;
-  };
-  std::vector<Unit> units;
+  auto& units = plan.units;
+  units.clear();
   for (Index p = 0; p < Index(pairs.size()); ++p)
     for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
       units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
   const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
-  std::vector<typename Impl::Scratch*> scratchOf(size_t(std::max(1, threads)), nullptr);
-  std::vector<Vector<double>> dscaleT(size_t(std::max(1, threads)), Vector<double>::Zero(H));
+  auto& scratchOf = plan.scratchOf;
+  scratchOf.assign(size_t(std::max(1, threads)), nullptr);
+  // dL/dtau_h of each thread: column t.
+  Eigen::Map<Matrix<double>> dscaleT(plan.dscaleT.get(H * std::max(1, threads)), H, std::max(1, threads));
+  dscaleT.setZero();
 
   parallelFor(Index(units.size()), threads, [&](Index w) {
     const Unit& un = units[size_t(w)];
@@ -478,8 +497,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
         if (dbias) sc.dbias.setZero(dbias->rows(), dbias->cols());
       }
     }
-    Matrix<Scalar>& dkDst = t == 0 ? dk : sc.dk;
-    Matrix<Scalar>& dvDst = t == 0 ? dv : sc.dv;
+    Eigen::Ref<Matrix<Scalar>> dkDst = t == 0 ? dk : Eigen::Ref<Matrix<Scalar>>(sc.dk);
+    Eigen::Ref<Matrix<Scalar>> dvDst = t == 0 ? dv : Eigen::Ref<Matrix<Scalar>>(sc.dv);
     Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &sc.dbias) : nullptr;
     withHead(u, [&](const auto& hd) {
       const auto rows = rowsOf(u);
@@ -497,7 +516,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       using TileMap = typename Impl::TileMap;
       Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, false, sc,
                         [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
-                          dscaleT[size_t(t)](u.head) += Impl::tile(
+                          dscaleT(u.head, t) += Impl::tile(
                               hd, rows, dropout, un.i0, bq, j0, bk, hd.finite && sc.dpSafe[size_t(j0 / tile.k)], x, y,
                               dp, dqRows, dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
                               dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
@@ -510,9 +529,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     dv += scratchOf[t]->dv;
     if (dbias) *dbias += scratchOf[t]->dbias;
   }
-  Vector<double> total = Vector<double>::Zero(H);
-  for (const auto& s : dscaleT) total += s;
-  dscale += total.template cast<Scalar>();
+  dscale += dscaleT.rowwise().sum().template cast<Scalar>();
 }
 
 }  // namespace sdpa::internal

@@ -76,7 +76,7 @@ Matrix<S> rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layo
 
 /// dq = r dq' (row i of head h times factors(i, h), in double, rounded once).
 template <typename S>
-void scaleQueryGradient(Matrix<S>& dq, const Matrix<double>& factors, Index dK) {
+void scaleQueryGradient(Eigen::Ref<Matrix<S>> dq, const Matrix<double>& factors, Index dK) {
   for (Index h = 0; h < factors.cols(); ++h)
     for (Index c = 0; c < dK; ++c)
       for (Index i = 0; i < dq.rows(); ++i) dq(i, h * dK + c) = S(factors(i, h) * double(dq(i, h * dK + c)));
