@@ -195,6 +195,16 @@ void assertBackwardTypes() {
   assertPolicyTypes<Scale, Mask>();
 }
 
+/// The checks of the single-head backward entry points, compile-time and run-time.
+template <typename Kernel, typename DO, typename Scale, typename DQ, typename DK, typename DV, typename Mask>
+void checkSingleHeadBackward(const char* where, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                             const Eigen::MatrixBase<DV>& v, const Mask& mask) {
+  assertBackwardTypes<Kernel, DQ, DK, DV, DO, Scale, Mask>();
+  SDPA_STATIC_ASSERT(!scale::IsPerHead<Scale>,
+                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackward);
+  checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+}
+
 }  // namespace internal
 
 /**
@@ -217,13 +227,9 @@ Gradients<typename DQ::Scalar> attentionBackward(const Kernel& kern, const Eigen
                                                  const ForwardResult<typename DQ::Scalar>& fwd,
                                                  const Eigen::MatrixBase<DO>& dOut, Scale&& scale,
                                                  const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
-  using S = std::decay_t<Scale>;
-  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, S, Mask>();
-  SDPA_STATIC_ASSERT(!scale::IsPerHead<S>,
-                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackward);
   using Scalar = typename DQ::Scalar;
   constexpr const char* where = "sdpa::attentionBackward";
-  internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+  internal::checkSingleHeadBackward<Kernel, DO, std::decay_t<Scale>>(where, q, k, v, mask);
   auto g = internal::batchedBackward<Scalar>(where, kern, q, k, v, fwd.output, fwd.logSumExp, dOut,
                                              internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
@@ -331,12 +337,9 @@ typename DQ::Scalar attentionBackwardInto(const Kernel& kern, const Eigen::Matri
                                           const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
                                           Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
   using S = std::decay_t<Scale>;
-  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, S, Mask>();
-  SDPA_STATIC_ASSERT(!scale::IsPerHead<S>,
-                     A_PER_HEAD_SCALE_NEEDS_THE_MULTI_HEAD_ENTRY_POINTS__USE_multiHeadAttentionBackwardInto);
   using Scalar = typename DQ::Scalar;
   constexpr const char* where = "sdpa::attentionBackwardInto";
-  internal::checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
+  internal::checkSingleHeadBackward<Kernel, DO, S>(where, q, k, v, mask);
   Scalar dscale[1] = {Scalar(0)};
   Eigen::Map<Vector<Scalar>> ds(dscale, 1);
   internal::batchedBackwardIntoChecked<Scalar>(where, kern, q, k, v, out, logSumExp, dOut,
