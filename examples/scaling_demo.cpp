@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <random>
 
 namespace {
@@ -75,9 +76,7 @@ void printLength(const char* name, const Matrix& q, const Matrix& k, const Scale
               100 * entropy / rows / std::log(double(k.rows())), planted / rows);
 }
 
-}  // namespace
-
-int main() {
+int run() {
   constexpr Eigen::Index nQueries = 256, nKeys = 256;
   std::mt19937_64 gen(2017);
   std::printf("sdpa %d.%d.%d scaling demo: q, k ~ N(0, 1), %ld queries x %ld keys, fp32\n", SDPA_VERSION_MAJOR,
@@ -120,4 +119,15 @@ int main() {
       "falls instead of climbing and the planted key's weight falls more slowly; below, the logits\n"
       "are narrower than 1/sqrt(d_k)'s.\n");
   return 0;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {  // a policy or a shape rejected: say which
+    std::fprintf(stderr, "scaling_demo: %s\n", e.what());
+    return 1;
+  }
 }
