@@ -319,9 +319,13 @@ MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
  * allocate: returns dL/dtau (dL/dc for scale::LogN) and, for a non-const Learnable or LogN,
  * accumulates it as attentionBackward does.
  *
+ * \param kern optional first argument: `kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param q, k, v the forward pass's inputs (n_q x d_k, n_k x d_k, n_k x d_v)
  * \param out, logSumExp the forward's results (from attentionForwardInto or attentionForward)
+ * \param dOut dL/dO, n_q x d_v
  * \param dq, dk, dv column-major, n_q x d_k, n_k x d_k, n_k x d_v (checked), overwritten
- * Other parameters as attentionBackward. The gradient of a Bias matrix is not computed (the
+ * \param scale, mask, dropout the forward pass's (a non-const Learnable or LogN accumulates)
+ * \throws std::invalid_argument naming the shapes on any mismatch. The gradient of a Bias matrix is not computed (the
  * allocating attentionBackward returns it). With kernel::Tiled, column-major inputs and a fixed
  * tau, a call allocates nothing once an earlier one on the thread was as large, except for the
  * workspace Eigen's products take on the heap where it exceeds their stack limit (128 KiB):

@@ -247,10 +247,14 @@ ForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
  * large (the kernel's plan and scratch are kept per thread; with several OpenMP threads, each
  * worker's scratch grows on the first call it takes part in).
  *
+ * \param kern      optional first argument, `kernel::Tiled{}` (the default) or `kernel::Naive{}`
+ * \param q, k, v   as attentionForward: n_q x d_k, n_k x d_k, n_k x d_v
  * \param out       n_q x d_v, column-major (a matrix, a Map or a block of one); its scalar is the
  *                  output type (the input type, or float for half inputs)
  * \param logSumExp n_q, of the accumulation type (float for float and half inputs, else double)
- * Other parameters and errors as attentionForward; out and logSumExp must not alias the inputs.
+ * \param scale, mask, dropout as attentionForward
+ * \throws std::invalid_argument naming the shapes, as attentionForward, and for outputs of the
+ *         wrong size. out and logSumExp must not alias the inputs.
  */
 template <typename Kernel, typename DQ, typename DK, typename DV, typename DOut, typename DLse,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
