@@ -436,6 +436,9 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     bounds.resize(pairs.size());
     for (size_t p = 0; p < pairs.size(); ++p) {
       const ItemHead& u = pairs[p];
+      // Decoding pairs take the general kernel, which needs no bound: a scan of their k (all of
+      // it, against a few query rows) would cost more than the decoding itself.
+      if (!prefill(u)) continue;
       bounds[p] = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
                                     k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
                                     headScale(scale, u.head).template value<float>(dims.dK));
