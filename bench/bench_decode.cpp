@@ -47,6 +47,38 @@ void BM_Decode(benchmark::State& state) {
     state.counters["xFloat"] = it->second / perCall;
 }
 
+std::map<std::vector<Index>, double>& mhaSeconds() {
+  static std::map<std::vector<Index>, double> m;
+  return m;
+}
+
+/// Multi-head decoding over one K/V of H_kv = 8 kv heads of d = 128: `Heads{8}` (MHA, 8 query
+/// heads) against `Heads{H, 8}` (GQA: H query heads in groups sharing a kv head). The traffic is
+/// the K/V once; "xMHA" is the GQA call's time over the MHA call's of the same K/V in the same
+/// run (issue #19's target: <= 1.2 for H = 32). args: n_k, H, threads
+void BM_DecodeHeads(benchmark::State& state) {
+  const Index nK = state.range(0), H = state.range(1), Hkv = 8, d = 128;
+  sdpa_bench::setThreads(int(state.range(2)));
+  std::srand(5);
+  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(1, H * d), k = Eigen::MatrixXf::Random(nK, Hkv * d),
+                        v = Eigen::MatrixXf::Random(nK, Hkv * d);
+  Eigen::MatrixXf out(1, H * d), lse(1, H);
+  sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H, Hkv}, out, lse);
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H, Hkv}, out, lse);
+    benchmark::DoNotOptimize(out.data());
+  }
+  if (state.iterations() == 0) return;
+  const double perCall = timer.seconds() / double(state.iterations());
+  state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * sizeof(float) / perCall * 1e-9;
+  const std::vector<Index> key{nK, state.range(2)};
+  if (H == Hkv)
+    mhaSeconds()[key] = perCall;
+  else if (auto it = mhaSeconds().find(key); it != mhaSeconds().end())
+    state.counters["xMHA"] = perCall / it->second;
+}
+
 void BM_ReadBandwidth(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(sdpa_bench::readBandwidthGBs());
   state.counters["GBps"] = sdpa_bench::readBandwidthGBs();
@@ -68,6 +100,12 @@ BENCHMARK(BM_Decode<Eigen::half>)
 BENCHMARK(BM_Decode<Eigen::bfloat16>)
     ->ArgNames({"nk", "d", "threads"})
     ->ArgsProduct({{65536}, {128}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(BM_DecodeHeads)
+    ->ArgNames({"nk", "H", "threads"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
