@@ -179,6 +179,7 @@ struct forward_tiled_impl {
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
     OnlineSoftmax<Acc> state, part;  // part: a key split merged into state
+    std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -386,7 +387,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     std::vector<fast::LogitBounds> bounds;
     std::vector<fast::Bf16Head> bf16;
     std::vector<const float*> kF, vF;
-    std::vector<Index> offset, owner, owners, unitOf;
+    std::vector<Index> offset, owner, owners, unitOf, groupStart;
     std::vector<OnlineSoftmax<Acc>> states;
     std::vector<char> done;
   };
@@ -535,16 +536,53 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   };
 
   if (Index(units.size()) >= threads || parts == Index(units.size())) {
-    parallelFor(Index(units.size()), threads, [&](Index i) {
-      const Unit& w = units[size_t(i)];
-      if (fastUnit(w)) return;
+    // Decoding units of the query heads that share a kv head (GQA, MQA) with the same rows form
+    // a group that one thread runs key split by key split, each split for every head of the
+    // group in turn: a split's k and v (a few MiB) are then read from memory once and from cache
+    // by the group's other heads, instead of streamed again per head. Each unit's arithmetic,
+    // its splits and their merge order are the same as alone: the same bits.
+    auto& groupStart = plan.groupStart;
+    groupStart.clear();
+    for (Index i = 0; i < Index(units.size()); ++i) {
+      const ItemHead& u = pairs[size_t(units[size_t(i)].pair)];
+      const bool joins = i > 0 && !prefill(u) && [&] {
+        const Unit& prev = units[size_t(i - 1)];
+        const ItemHead& p = pairs[size_t(prev.pair)];
+        return !prefill(p) && p.item == u.item && p.kvHead == u.kvHead && prev.i0 == units[size_t(i)].i0;
+      }();
+      if (!joins) groupStart.push_back(i);
+    }
+    const Index groups = Index(groupStart.size());
+    // Grouped only where the groups still give every thread work.
+    const bool grouped = groups < Index(units.size()) && groups >= threads;
+    if (grouped) groupStart.push_back(Index(units.size()));
+    parallelFor(grouped ? groups : Index(units.size()), threads, [&](Index i) {
       auto& sc = Impl::threadScratch();
-      slice(w, 0, sc.state, sc);
-      for (Index s = 1; s < w.splits; ++s) {
-        slice(w, s, sc.part, sc);
-        sc.state.merge(sc.part);
+      if (!grouped || groupStart[size_t(i) + 1] - groupStart[size_t(i)] == 1) {
+        const Unit& w = units[size_t(grouped ? groupStart[size_t(i)] : i)];
+        if (fastUnit(w)) return;
+        slice(w, 0, sc.state, sc);
+        for (Index s = 1; s < w.splits; ++s) {
+          slice(w, s, sc.part, sc);
+          sc.state.merge(sc.part);
+        }
+        finish(w, sc.state);
+        return;
       }
-      finish(w, sc.state);
+      const Index first = groupStart[size_t(i)], members = groupStart[size_t(i) + 1] - first;
+      if (Index(sc.group.size()) < members) sc.group.resize(size_t(members));
+      const Index splits = units[size_t(first)].splits;  // the same rows and keys: the same splits
+      for (Index s = 0; s < splits; ++s)
+        for (Index m = 0; m < members; ++m) {
+          const Unit& w = units[size_t(first + m)];
+          if (s == 0) {
+            slice(w, 0, sc.group[size_t(m)], sc);
+          } else {
+            slice(w, s, sc.part, sc);
+            sc.group[size_t(m)].merge(sc.part);
+          }
+        }
+      for (Index m = 0; m < members; ++m) finish(units[size_t(first + m)], sc.group[size_t(m)]);
     });
     return;
   }
