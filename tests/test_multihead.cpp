@@ -1,6 +1,7 @@
 // Multi-head (MHA, GQA, MQA) and batched attention against loops of single-head calls.
 #include <sdpa/sdpa.hpp>
 
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -294,12 +295,15 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
   // head equals the single-head call on its q and its kv head, bit for bit.
   using T = TestType;
   using Out = sdpa::OutputScalar<void, T>;
-  const Index dK = 16, dV = 8, nK = 5000;  // 4 key splits of 1250 keys
   const int saved = Eigen::nbThreads();
+  // Splits of one chunk (d 16: 4 splits of 1250 keys) and of several (d 128: 8 splits of 1536
+  // keys in chunks of 1024 float, 512 double keys).
+  for (const auto& [dK, dV, nK] : {std::array<Index, 3>{16, 8, 5000}, {128, 128, 12000}})
   for (const auto& [H, hKv] : {std::pair<Index, Index>{8, 2}, {6, 1}, {4, 4}})
     for (const Index nQ : {Index(1), Index(3)})
       for (const int threads : {1, 2}) {
-        INFO("Heads{" << H << ", " << hKv << "}, n_q " << nQ << ", " << threads << " threads");
+        INFO("d " << dK << ", n_k " << nK << ", Heads{" << H << ", " << hKv << "}, n_q " << nQ << ", " << threads
+                  << " threads");
         Eigen::setNbThreads(threads);
         const Mat<T> q = randn<float>(nQ, H * dK, 70 + H).template cast<T>(),
                      k = randn<float>(nK, hKv * dK, 71).template cast<T>(),

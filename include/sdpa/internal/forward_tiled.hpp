@@ -83,11 +83,14 @@ void axpyColumnsHalf(const float* a, const H* x, Index stride, float* y, Index n
   __m512 va[G];
   for (int c = 0; c < G; ++c) va[c] = _mm512_set1_ps(a[c]);
   Index i = 0;
+  // No prefetch past the end of the columns' run: a chunk of 2048 keys would fetch half as much
+  // again for nothing (the next chunk's start is the hardware prefetcher's).
+  const Index ahead = n - kHalfPrefetch;
   for (; i + 32 <= n; i += 32) {  // 32 halves: one cache line of each column
     __m512 lo = _mm512_loadu_ps(y + i), hi = _mm512_loadu_ps(y + i + 16);
     for (int c = 0; c < G; ++c) {
       const H* xc = x + c * stride + i;
-      prefetch(xc);
+      if (i < ahead) prefetch(xc);
       lo = _mm512_fmadd_ps(va[c], load16(xc), lo);
       hi = _mm512_fmadd_ps(va[c], load16(xc + 16), hi);
     }
@@ -103,11 +106,12 @@ void dotColumnsHalf(const float* p, const H* x, Index stride, Index n, float* ou
   __m512 acc[G];
   for (int c = 0; c < G; ++c) acc[c] = _mm512_setzero_ps();
   Index i = 0;
+  const Index ahead = n - kHalfPrefetch;  // as in axpyColumnsHalf
   for (; i + 32 <= n; i += 32) {
     const __m512 lo = _mm512_loadu_ps(p + i), hi = _mm512_loadu_ps(p + i + 16);
     for (int c = 0; c < G; ++c) {
       const H* xc = x + c * stride + i;
-      prefetch(xc);
+      if (i < ahead) prefetch(xc);
       acc[c] = _mm512_fmadd_ps(hi, load16(xc + 16), _mm512_fmadd_ps(lo, load16(xc), acc[c]));
     }
   }
@@ -220,9 +224,10 @@ struct forward_tiled_impl {
   template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
   static void stream(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                      const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
-                     Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc) {
+                     Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
+                     bool resume = false) {
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
-    state.start(bq, dV);
+    if (!resume) state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
     // costs one b_q x d_k multiply and None none; only where foldsScaleIntoQuery, else the logits
     // are multiplied after the product. Copied column by column: q is column-major (columns n_q
@@ -241,7 +246,7 @@ struct forward_tiled_impl {
     // so that each column of k and v streams contiguously from memory (a b_k x d tile would
     // read d short segments d_k pages apart) and half storage converts in registers.
     const bool decode = bq <= kDecodeRows;
-    const Index chunk = decode ? kDecodeKeys : bk;
+    const Index chunk = decode ? decodeKeys(dK, dV) : bk;
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
       const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
@@ -324,10 +329,15 @@ struct forward_tiled_impl {
     }
   }
 
-  /// Query blocks of at most this many rows take the decoding path, in chunks of this many keys
-  /// (a logits chunk of kDecodeRows x kDecodeKeys floats stays in L2).
+  /// Query blocks of at most this many rows take the decoding path.
   static constexpr Index kDecodeRows = 4;
-  static constexpr Index kDecodeKeys = 16384;
+  /// Keys per decoding chunk: k and v of a chunk take about 1 MiB (within L2), so that the
+  /// query heads of a GQA group that run a chunk in turn read it from L2; 256 to 16384 keys, a
+  /// multiple of 64. The chunks start at the key range's first key, whoever runs them.
+  static Index decodeKeys(Index dK, Index dV) {
+    const Index perKey = std::max<Index>(1, (dK + dV) * Index(sizeof(In)));
+    return std::clamp<Index>((Index(1) << 20) / perKey / 64 * 64, 256, 16384);
+  }
 };
 
 /// Key splits of a work unit of `rows` query rows against nK keys: only decoding units (a few
@@ -520,14 +530,21 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
   };
 
-  const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc) {
+  // Split s of a unit covers whole key tiles [s * per, (s + 1) * per) of the item.
+  const auto splitBegin = [&](const Unit& w, Index split) {
     const ItemHead& u = pairs[size_t(w.pair)];
-    // Split s covers whole key tiles [s * per, (s + 1) * per) of the item.
     const Index tilesK = (u.nK + tile.k - 1) / tile.k, per = (tilesK + w.splits - 1) / w.splits;
-    const Index kBegin = std::min(u.nK, split * per * tile.k), kEnd = std::min(u.nK, (split + 1) * per * tile.k);
+    return std::min(u.nK, split * per * tile.k);
+  };
+  const auto streamKeys = [&](const Unit& w, Index kBegin, Index kEnd, OnlineSoftmax<Acc>& state,
+                              typename Impl::Scratch& sc, bool resume) {
+    const ItemHead& u = pairs[size_t(w.pair)];
     Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
                  v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
-                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc);
+                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc, resume);
+  };
+  const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc) {
+    streamKeys(w, splitBegin(w, split), splitBegin(w, split + 1), state, sc, false);
   };
   const auto finish = [&](const Unit& w, OnlineSoftmax<Acc>& state) {
     const ItemHead& u = pairs[size_t(w.pair)];
@@ -537,10 +554,10 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
 
   if (Index(units.size()) >= threads || parts == Index(units.size())) {
     // Decoding units of the query heads that share a kv head (GQA, MQA) with the same rows form
-    // a group that one thread runs key split by key split, each split for every head of the
-    // group in turn: a split's k and v (a few MiB) are then read from memory once and from cache
+    // a group that one thread runs chunk by chunk (decodeKeys: about 1 MiB of k and v), each
+    // chunk for every head of the group in turn: the chunk is read from memory once and from L2
     // by the group's other heads, instead of streamed again per head. Each unit's arithmetic,
-    // its splits and their merge order are the same as alone: the same bits.
+    // its chunks, splits and merge order are the same as alone: the same bits.
     auto& groupStart = plan.groupStart;
     groupStart.clear();
     for (Index i = 0; i < Index(units.size()); ++i) {
@@ -569,19 +586,23 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
         finish(w, sc.state);
         return;
       }
+      // group[m]: member m's state; group[members + m]: its current split, merged at the split's end.
       const Index first = groupStart[size_t(i)], members = groupStart[size_t(i) + 1] - first;
-      if (Index(sc.group.size()) < members) sc.group.resize(size_t(members));
-      const Index splits = units[size_t(first)].splits;  // the same rows and keys: the same splits
-      for (Index s = 0; s < splits; ++s)
-        for (Index m = 0; m < members; ++m) {
-          const Unit& w = units[size_t(first + m)];
-          if (s == 0) {
-            slice(w, 0, sc.group[size_t(m)], sc);
-          } else {
-            slice(w, s, sc.part, sc);
-            sc.group[size_t(m)].merge(sc.part);
-          }
-        }
+      if (Index(sc.group.size()) < 2 * members) sc.group.resize(size_t(2 * members));
+      const Unit& lead = units[size_t(first)];  // the same rows and keys: the same splits, chunks
+      const Index chunk = Impl::decodeKeys(dims.dK, dims.dV);
+      for (Index s = 0; s < lead.splits; ++s) {
+        const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
+        Index j0 = kBegin;
+        do {  // once for an empty split: its states start, empty
+          const Index j1 = std::min(j0 + chunk, kEnd);
+          for (Index m = 0; m < members; ++m)
+            streamKeys(units[size_t(first + m)], j0, j1, sc.group[size_t(s == 0 ? m : members + m)], sc, j0 != kBegin);
+          j0 = j1;
+        } while (j0 < kEnd);
+        if (s > 0)
+          for (Index m = 0; m < members; ++m) sc.group[size_t(m)].merge(sc.group[size_t(members + m)]);
+      }
       for (Index m = 0; m < members; ++m) finish(units[size_t(first + m)], sc.group[size_t(m)]);
     });
     return;
