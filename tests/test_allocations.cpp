@@ -26,8 +26,8 @@ inline void sdpaTestEigenAssert(const char* condition, const char* file, int lin
   std::abort();
 }
 #define EIGEN_RUNTIME_NO_MALLOC
-#define eigen_assert(x)                                                \
-  do {                                                                 \
+#define eigen_assert(x)                                                     \
+  do {                                                                      \
     if (!static_cast<bool>(x)) sdpaTestEigenAssert(#x, __FILE__, __LINE__); \
   } while (false)
 
@@ -48,7 +48,7 @@ inline void sdpaTestEigenAssert(const char* condition, const char* file, int lin
 // Under AddressSanitizer, whose allocator owns operator new, its allocation hook counts every
 // heap allocation instead (malloc, new and Eigen's alike).
 extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*onMalloc)(const volatile void*, std::size_t),
-                                                        void (*onFree)(const volatile void*));
+                                                         void (*onFree)(const volatile void*));
 namespace {
 void onMalloc(const volatile void*, std::size_t) {
   if (g_counting) ++g_news;
@@ -140,13 +140,13 @@ TEST_CASE("the counters see an allocation (the test can fail)", "[alloc]") {
   CHECK(allocationsOf([&] { (void)sdpa::attentionForward(q, k, v); }) >= 2);
 }
 
-TEMPLATE_TEST_CASE("attentionForwardInto allocates nothing after the first call, decoding and float prefill",
-                   "[alloc]", float, double) {
+TEMPLATE_TEST_CASE("attentionForwardInto allocates nothing after the first call, decoding and float prefill", "[alloc]",
+                   float, double) {
   using T = TestType;
   const OneThread one;
   const auto causal = sdpa::mask::Causal{Align::LowerRight};
-  for (const Shape& s : {Shape{1, 5000, 64, 64}, Shape{3, 20000, 32, 16}, Shape{300, 300, 64, 64},
-                         Shape{129, 700, 16, 24}}) {
+  for (const Shape& s :
+       {Shape{1, 5000, 64, 64}, Shape{3, 20000, 32, 16}, Shape{300, 300, 64, 64}, Shape{129, 700, 16, 24}}) {
     INFO(toString(s));
     const Mat<T> q = randn<T>(s.nQ, s.dK, 1), k = randn<T>(s.nK, s.dK, 2), v = randn<T>(s.nK, s.dV, 3);
     Mat<T> out(s.nQ, s.dV);
@@ -201,14 +201,15 @@ TEST_CASE("multi-head, GQA and batched calls into sized outputs allocate nothing
     };
     call();
     CHECK(allocationsOf(call) == 0);
-    const auto expected = sdpa::batchedAttentionForward(q, k, v, layout, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, alibi);
+    const auto expected =
+        sdpa::batchedAttentionForward(q, k, v, layout, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, alibi);
     CHECK(out == expected.output);
     CHECK(lse == expected.logSumExp);
   }
 }
 
-TEMPLATE_TEST_CASE("half inputs into sized outputs allocate nothing after the first call", "[alloc][half]",
-                   Eigen::half, Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("half inputs into sized outputs allocate nothing after the first call", "[alloc][half]", Eigen::half,
+                   Eigen::bfloat16) {
   using Hf = TestType;
   const OneThread one;
   for (const Shape& s : {Shape{1, 3000, 64, 64}, Shape{200, 260, 64, 32}}) {
@@ -278,7 +279,8 @@ TEST_CASE("backward into sized gradients: what the allocating backward computes,
       sdpa::scale::LogN logN, logNRef;
       const auto fwd = sdpa::attentionForward(kern, q, k, v, logN, causal);
       Mat<float> dq(37, 16), dk(53, 16), dv(53, 8);
-      const float dc = sdpa::attentionBackwardInto(kern, q, k, v, fwd.output, fwd.logSumExp, dO, dq, dk, dv, logN, causal);
+      const float dc =
+          sdpa::attentionBackwardInto(kern, q, k, v, fwd.output, fwd.logSumExp, dO, dq, dk, dv, logN, causal);
       const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dO, logNRef, causal);
       CHECK(dq == g.dq);
       CHECK(dk == g.dk);
@@ -318,8 +320,8 @@ TEST_CASE("backward into sized gradients: what the allocating backward computes,
                      dO = randn<float>(3, 4, 4);
     const auto fwd = sdpa::attentionForward(q, k, v);
     Mat<float> dq(3, 8), dk(5, 7), dv(5, 4);
-    CHECK_THROWS_WITH(sdpa::attentionBackwardInto(q, k, v, fwd.output, fwd.logSumExp, dO, dq, dk, dv,
-                                                  sdpa::scale::InvSqrtDk{}),
-                      Catch::Matchers::Contains("dk is 5x7 but must be 5x8"));
+    CHECK_THROWS_WITH(
+        sdpa::attentionBackwardInto(q, k, v, fwd.output, fwd.logSumExp, dO, dq, dk, dv, sdpa::scale::InvSqrtDk{}),
+        Catch::Matchers::Contains("dk is 5x7 but must be 5x8"));
   }
 }

@@ -299,24 +299,24 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
   // Splits of one chunk (d 16: 4 splits of 1250 keys) and of several (d 128: 8 splits of 1536
   // keys in chunks of 1024 float, 512 double keys).
   for (const auto& [dK, dV, nK] : {std::array<Index, 3>{16, 8, 5000}, {128, 128, 12000}})
-  for (const auto& [H, hKv] : {std::pair<Index, Index>{8, 2}, {6, 1}, {4, 4}})
-    for (const Index nQ : {Index(1), Index(3)})
-      for (const int threads : {1, 2}) {
-        INFO("d " << dK << ", n_k " << nK << ", Heads{" << H << ", " << hKv << "}, n_q " << nQ << ", " << threads
-                  << " threads");
-        Eigen::setNbThreads(threads);
-        const Mat<T> q = randn<float>(nQ, H * dK, 70 + H).template cast<T>(),
-                     k = randn<float>(nK, hKv * dK, 71).template cast<T>(),
-                     v = randn<float>(nK, hKv * dV, 72).template cast<T>();
-        const auto m = mask::Causal{Align::LowerRight};
-        const auto all = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
-        for (Index h = 0; h < H; ++h) {
-          const Index g = h / (H / hKv);
-          const Mat<T> qh = q.middleCols(h * dK, dK), kh = k.middleCols(g * dK, dK), vh = v.middleCols(g * dV, dV);
-          const auto one = sdpa::attentionForward(qh, kh, vh, scale::InvSqrtDk{}, m);
-          CHECK(Mat<Out>(all.output.middleCols(h * dV, dV)) == one.output);
-          CHECK(all.logSumExp.col(h) == one.logSumExp);
+    for (const auto& [H, hKv] : {std::pair<Index, Index>{8, 2}, {6, 1}, {4, 4}})
+      for (const Index nQ : {Index(1), Index(3)})
+        for (const int threads : {1, 2}) {
+          INFO("d " << dK << ", n_k " << nK << ", Heads{" << H << ", " << hKv << "}, n_q " << nQ << ", " << threads
+                    << " threads");
+          Eigen::setNbThreads(threads);
+          const Mat<T> q = randn<float>(nQ, H * dK, 70 + H).template cast<T>(),
+                       k = randn<float>(nK, hKv * dK, 71).template cast<T>(),
+                       v = randn<float>(nK, hKv * dV, 72).template cast<T>();
+          const auto m = mask::Causal{Align::LowerRight};
+          const auto all = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
+          for (Index h = 0; h < H; ++h) {
+            const Index g = h / (H / hKv);
+            const Mat<T> qh = q.middleCols(h * dK, dK), kh = k.middleCols(g * dK, dK), vh = v.middleCols(g * dV, dV);
+            const auto one = sdpa::attentionForward(qh, kh, vh, scale::InvSqrtDk{}, m);
+            CHECK(Mat<Out>(all.output.middleCols(h * dV, dV)) == one.output);
+            CHECK(all.logSumExp.col(h) == one.logSumExp);
+          }
         }
-      }
   Eigen::setNbThreads(saved);
 }

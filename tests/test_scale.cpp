@@ -117,8 +117,8 @@ RefResult<T> logNReference(const Mat<In>& q, const Mat<In>& k, const Mat<In>& v,
   for (Index i = 0; i < q.rows(); ++i) {
     const T tau = T(logNTau(c, visibleCount(visible, i, k.rows()), q.cols()));
     const Mat<In> qi = q.row(i);
-    const RefResult<T> ri =
-        referenceAttention<T>(qi, k, v, (long double)tau, [&](Index, Index j) { return visible(i, j); }, noBias(), softcap);
+    const RefResult<T> ri = referenceAttention<T>(
+        qi, k, v, (long double)tau, [&](Index, Index j) { return visible(i, j); }, noBias(), softcap);
     r.output.row(i) = ri.output.row(0);
     r.logSumExp(i) = ri.logSumExp(0);
   }
@@ -199,12 +199,16 @@ TEMPLATE_TEST_CASE("LogN: each row's tau follows the keys it sees, in every kern
       });
     };
     check(mask::None{}, allVisible(), "no mask: n_i = n_k");
-    check(mask::Causal{Align::UpperLeft}, [](Index i, Index j) { return j <= i; }, "causal, upper left");
-    check(mask::Causal{Align::LowerRight}, [=](Index i, Index j) { return j <= i + off; }, "causal, lower right");
-    check(mask::SlidingWindow{4, 2, Align::LowerRight},
-          [=](Index i, Index j) { return j >= i + off - 4 && j <= i + off + 2; }, "sliding window");
-    check(mask::combine(mask::Softcap{3.0}, mask::KeyLength{(nK + 1) / 2}),
-          [=](Index, Index j) { return j < (nK + 1) / 2; }, "key length (with a softcap: tau before the cap)", 3.0L);
+    check(
+        mask::Causal{Align::UpperLeft}, [](Index i, Index j) { return j <= i; }, "causal, upper left");
+    check(
+        mask::Causal{Align::LowerRight}, [=](Index i, Index j) { return j <= i + off; }, "causal, lower right");
+    check(
+        mask::SlidingWindow{4, 2, Align::LowerRight},
+        [=](Index i, Index j) { return j >= i + off - 4 && j <= i + off + 2; }, "sliding window");
+    check(
+        mask::combine(mask::Softcap{3.0}, mask::KeyLength{(nK + 1) / 2}),
+        [=](Index, Index j) { return j < (nK + 1) / 2; }, "key length (with a softcap: tau before the cap)", 3.0L);
   }
 }
 
@@ -262,7 +266,8 @@ TEST_CASE("LogN over heads and batches: per-head c, GQA, padded items each count
   const Mat<double> q = randn<double>(2 * nQ, H * dK, 31), k = randn<double>(2 * nK, Hkv * dK, 32),
                     v = randn<double>(2 * nK, Hkv * dV, 33), dO = randn<double>(2 * nQ, H * dV, 34);
   const auto m = mask::Causal{Align::LowerRight};
-  Mat<long double> expectOut = Mat<long double>::Zero(2 * nQ, H * dV), expectDq = Mat<long double>::Zero(2 * nQ, H * dK);
+  Mat<long double> expectOut = Mat<long double>::Zero(2 * nQ, H * dV),
+                   expectDq = Mat<long double>::Zero(2 * nQ, H * dK);
   Vec<long double> expectDc = Vec<long double>::Zero(H);
   for (Index b = 0; b < 2; ++b) {
     const Index a = layout.queryLengths[size_t(b)], kl = layout.keyLengths[size_t(b)];

@@ -33,7 +33,7 @@ struct Gradients {
   Matrix<Scalar> dq;     ///< n_q x d_k
   Matrix<Scalar> dk;     ///< n_k x d_k
   Matrix<Scalar> dv;     ///< n_k x d_v
-  Scalar dscale = 0;               ///< dL/dtau (scale::LogN: dL/dc)
+  Scalar dscale = 0;     ///< dL/dtau (scale::LogN: dL/dc)
   Matrix<Scalar> dbias;  ///< shaped like the mask's Bias matrix; empty without one
 };
 
@@ -114,7 +114,8 @@ void batchedBackwardInto(const Kernel& kern, const ConstRef<Scalar>& q, const Co
             headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
             headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
             taus.head(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
-            headBlock(dq, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+            headBlock(dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
+            headBlock(dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
             headBlock(dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), dbias, dbiasRow0, scratch);
       });
       dscale += dtau.template cast<Scalar>();
@@ -339,7 +340,8 @@ typename DQ::Scalar attentionBackwardInto(const Kernel& kern, const Eigen::Matri
                                           const Eigen::MatrixBase<DOutF>& out, const Eigen::MatrixBase<DLse>& logSumExp,
                                           const Eigen::MatrixBase<DO>& dOut, const Eigen::MatrixBase<DDq>& dq,
                                           const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
-                                          Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
+                                          Scale&& scale, const Mask& mask = Mask(),
+                                          const Dropout& dropout = Dropout()) {
   using S = std::decay_t<Scale>;
   using Scalar = typename DQ::Scalar;
   constexpr const char* where = "sdpa::attentionBackwardInto";
@@ -347,16 +349,15 @@ typename DQ::Scalar attentionBackwardInto(const Kernel& kern, const Eigen::Matri
   Scalar dscale[1] = {Scalar(0)};
   Eigen::Map<Vector<Scalar>> ds(dscale, 1);
   internal::batchedBackwardIntoChecked<Scalar>(where, kern, q, k, v, out, logSumExp, dOut,
-                                               internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask,
-                                               dropout, dq, dk, dv, ds);
+                                               internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout,
+                                               dq, dk, dv, ds);
   if constexpr (internal::AccumulatesInto<Scale>) scale.accumulateGrad(typename S::Scalar(dscale[0]));
   return dscale[0];
 }
 
 /// \brief attentionBackwardInto with the default kernel, kernel::Tiled.
-template <typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO, typename DDq,
-          typename DDk, typename DDv, typename Scale, typename Mask = mask::None,
-          typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
+template <typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO, typename DDq, typename DDk,
+          typename DDv, typename Scale, typename Mask = mask::None, typename = std::enable_if_t<!kernel::IsKernel<DQ>>>
 typename DQ::Scalar attentionBackwardInto(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOutF>& out,
                                           const Eigen::MatrixBase<DLse>& logSumExp, const Eigen::MatrixBase<DO>& dOut,

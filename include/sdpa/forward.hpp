@@ -117,8 +117,8 @@ void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, co
   const FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
   if constexpr (scale::DependsOnKeyCount<Scale>) {
     Matrix<double> factors;
-    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(),
-                                                            mask, factors);
+    const Matrix<Scalar> qs =
+        rowScaledQuery<Scalar, Scale>(q, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
     forward_naive_impl<Scalar>::logits(qs, k, tau, mask, 0, s);
   } else {
     forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
@@ -191,14 +191,16 @@ void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<
 /// Checks an output of an allocation-free call: its storage (a Ref binds it in place) and size.
 template <typename DOut>
 void assertWritableOutput() {
-  SDPA_STATIC_ASSERT(!(DOut::Flags & Eigen::RowMajorBit) || DOut::ColsAtCompileTime == 1 || DOut::RowsAtCompileTime == 1,
-                     THE_OUTPUT_MUST_BE_COLUMN_MAJOR__AN_Eigen_MatrixX_A_Map_OR_A_BLOCK_OF_ONE);
+  SDPA_STATIC_ASSERT(
+      !(DOut::Flags & Eigen::RowMajorBit) || DOut::ColsAtCompileTime == 1 || DOut::RowsAtCompileTime == 1,
+      THE_OUTPUT_MUST_BE_COLUMN_MAJOR__AN_Eigen_MatrixX_A_Map_OR_A_BLOCK_OF_ONE);
 }
 inline void checkOutputShape(const char* where, const char* name, Index rows, Index cols, Index wantRows,
                              Index wantCols) {
   if (rows != wantRows || cols != wantCols)
     throwInvalid(where, std::string(name) + " is " + shapeString(rows, cols) + " but must be " +
-                            shapeString(wantRows, wantCols) + " (allocation-free calls write into outputs the caller sized)");
+                            shapeString(wantRows, wantCols) +
+                            " (allocation-free calls write into outputs the caller sized)");
 }
 
 }  // namespace internal
@@ -306,9 +308,11 @@ ForwardResult<OutputScalar<OutScalar, typename DQ::Scalar>> attentionForward(
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,
           typename = std::enable_if_t<kernel::IsKernel<Kernel>>>
-Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(
-    const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const Scale& scale = Scale(), const Mask& mask = Mask()) {
+Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                                               const Eigen::MatrixBase<DK>& k,
+                                                               const Eigen::MatrixBase<DV>& v,
+                                                               const Scale& scale = Scale(),
+                                                               const Mask& mask = Mask()) {
   return attentionForward<OutScalar>(kern, q, k, v, scale, mask).output;
 }
 
@@ -316,28 +320,25 @@ Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(
 template <typename OutScalar = void, typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
 Matrix<OutputScalar<OutScalar, typename DQ::Scalar>> attention(const Eigen::MatrixBase<DQ>& q,
-                                                                                   const Eigen::MatrixBase<DK>& k,
-                                                                                   const Eigen::MatrixBase<DV>& v,
-                                                                                   const Scale& scale = Scale(),
-                                                                                   const Mask& mask = Mask()) {
+                                                               const Eigen::MatrixBase<DK>& k,
+                                                               const Eigen::MatrixBase<DV>& v,
+                                                               const Scale& scale = Scale(),
+                                                               const Mask& mask = Mask()) {
   return attentionForward<OutScalar>(kernel::Tiled{}, q, k, v, scale, mask).output;
 }
 
 /// \brief Scaled dot-product attention, softmax(q k^T / sqrt(d_k) + mask) v (seed C1).
 template <typename DQ, typename DK, typename DV, typename Mask = mask::None>
-Matrix<typename DQ::Scalar> scaledDotProductAttention(const Eigen::MatrixBase<DQ>& q,
-                                                                const Eigen::MatrixBase<DK>& k,
-                                                                const Eigen::MatrixBase<DV>& v,
-                                                                const Mask& mask = Mask()) {
+Matrix<typename DQ::Scalar> scaledDotProductAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                      const Eigen::MatrixBase<DV>& v, const Mask& mask = Mask()) {
   return attentionForward(q, k, v, scale::InvSqrtDk{}, mask).output;
 }
 
 /// \brief Unscaled dot-product attention, softmax(q k^T + mask) v: what the seed article warns
 /// against for large d_k (C4), kept for comparison and for models trained without a scale.
 template <typename DQ, typename DK, typename DV, typename Mask = mask::None>
-Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBase<DQ>& q,
-                                                          const Eigen::MatrixBase<DK>& k,
-                                                          const Eigen::MatrixBase<DV>& v, const Mask& mask = Mask()) {
+Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                                const Eigen::MatrixBase<DV>& v, const Mask& mask = Mask()) {
   return attentionForward(q, k, v, scale::None{}, mask).output;
 }
 
@@ -347,7 +348,7 @@ Matrix<typename DQ::Scalar> dotProductAttention(const Eigen::MatrixBase<DQ>& q,
  */
 template <typename DQ, typename DK, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                      const Scale& scale = Scale(), const Mask& mask = Mask()) {
+                                            const Scale& scale = Scale(), const Mask& mask = Mask()) {
   internal::assertScalars<DQ, DK>();
   internal::assertPolicies<Scale, Mask>();
   using Scalar = typename DQ::Scalar;
@@ -363,7 +364,7 @@ Matrix<typename DQ::Scalar> attentionLogits(const Eigen::MatrixBase<DQ>& q, cons
  */
 template <typename DQ, typename DK, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 Matrix<typename DQ::Scalar> attentionWeights(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                       const Scale& scale = Scale(), const Mask& mask = Mask()) {
+                                             const Scale& scale = Scale(), const Mask& mask = Mask()) {
   internal::assertScalars<DQ, DK>();
   internal::assertPolicies<Scale, Mask>();
   using Scalar = typename DQ::Scalar;

@@ -213,8 +213,7 @@ MultiHeadForwardResult<Out> batchedForward(const char* where, const Kernel& kern
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
   MultiHeadForwardResult<Out> r{Matrix<Out>(q.rows(), heads.query * dims.dV), Matrix<Acc>(q.rows(), heads.query)};
-  batchedForwardInto<Out>(where, kern, q, k, v, layout, heads, dims, scale, mask, dropout, sink, r.output,
-                          r.logSumExp);
+  batchedForwardInto<Out>(where, kern, q, k, v, layout, heads, dims, scale, mask, dropout, sink, r.output, r.logSumExp);
   return r;
 }
 

@@ -215,8 +215,7 @@ class LogN {
   /// The parameter c.
   double value() const { return m_c; }
   void setValue(double c) {
-    if (!std::isfinite(c))
-      throw std::invalid_argument("sdpa::scale::LogN: c must be finite, got " + std::to_string(c));
+    if (!std::isfinite(c)) throw std::invalid_argument("sdpa::scale::LogN: c must be finite, got " + std::to_string(c));
     m_c = c;
   }
 
@@ -234,7 +233,8 @@ namespace internal {
 template <typename T, typename = void>
 struct DependsOnKeyCountImpl : std::false_type {};
 template <typename T>
-struct DependsOnKeyCountImpl<T, std::void_t<decltype(T::DependsOnKeyCount)>> : std::bool_constant<T::DependsOnKeyCount> {};
+struct DependsOnKeyCountImpl<T, std::void_t<decltype(T::DependsOnKeyCount)>>
+    : std::bool_constant<T::DependsOnKeyCount> {};
 }  // namespace internal
 
 /**

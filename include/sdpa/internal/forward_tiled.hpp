@@ -182,7 +182,7 @@ struct forward_tiled_impl {
   /// Per-thread scratch, allocated on first use and reused by every later call on the thread.
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
-    OnlineSoftmax<Acc> state, part;  // part: a key split merged into state
+    OnlineSoftmax<Acc> state, part;         // part: a key split merged into state
     std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
   };
   static Scratch& threadScratch() {
