@@ -315,6 +315,22 @@ TEST_CASE("backward into sized gradients: what the allocating backward computes,
     CHECK(dscale == g.dscale);
     for (Index h = 0; h < H; ++h) CHECK(taus.head(h).grad() == 2 * tausRef.head(h).grad());  // two steps
   }
+  SECTION("multi-head: the packed gradients of multiHeadAttentionBackward, a PerHead LogN accumulating per head") {
+    const Mat<float> q = randn<float>(29, 2 * 16, 41), k = randn<float>(45, 16, 42), v = randn<float>(45, 8, 43),
+                     dO = randn<float>(29, 2 * 8, 44);
+    sdpa::scale::PerHead<sdpa::scale::LogN> logN(2), logNRef(2);
+    const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, Heads{2, 1}, logN, causal);
+    Mat<float> dq(29, 32), dk(45, 16), dv(45, 8);
+    Vec<float> dscale(2);
+    sdpa::multiHeadAttentionBackwardInto(sdpa::kernel::Tiled{}, q, k, v, fwd.output, fwd.logSumExp, dO, Heads{2, 1}, dq,
+                                         dk, dv, dscale, logN, causal);
+    const auto g = sdpa::multiHeadAttentionBackward(q, k, v, fwd, dO, Heads{2, 1}, logNRef, causal);
+    CHECK(dq == g.dq);
+    CHECK(dk == g.dk);
+    CHECK(dv == g.dv);
+    CHECK(dscale == g.dscale);
+    for (Index h = 0; h < 2; ++h) CHECK(logN.head(h).grad() == logNRef.head(h).grad());
+  }
   SECTION("the gradients' shapes are checked and named") {
     const Mat<float> q = randn<float>(3, 8, 1), k = randn<float>(5, 8, 2), v = randn<float>(5, 4, 3),
                      dO = randn<float>(3, 4, 4);

@@ -206,6 +206,23 @@ void checkSingleHeadBackward(const char* where, const Eigen::MatrixBase<DQ>& q, 
   checkForward(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), mask);
 }
 
+/// The multi-head and batched backward Into entry points: their checks, the call into the
+/// caller's gradients, and the accumulation into a non-const learnable scale.
+template <typename Kernel, typename DQ, typename DK, typename DV, typename DOutF, typename DLse, typename DO,
+          typename DDq, typename DDk, typename DDv, typename DDs, typename Scale, typename Mask>
+void packedBackwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                        const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                        const Eigen::MatrixBase<DOutF>& out, const Eigen::MatrixBase<DLse>& logSumExp,
+                        const Eigen::MatrixBase<DO>& dOut, const BatchLayout& layout, const Heads& heads,
+                        const Eigen::MatrixBase<DDq>& dq, const Eigen::MatrixBase<DDk>& dk,
+                        const Eigen::MatrixBase<DDv>& dv, const Eigen::MatrixBase<DDs>& dscale, Scale&& scale,
+                        const Mask& mask, const Dropout& dropout) {
+  assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
+  batchedBackwardIntoChecked<typename DQ::Scalar>(where, kern, q, k, v, out, logSumExp, dOut, layout, heads, scale,
+                                                  mask, dropout, dq, dk, dv, dscale);
+  if constexpr (AccumulatesInto<Scale>) accumulateScaleGrad(scale, dscale);
+}
+
 }  // namespace internal
 
 /**
@@ -383,11 +400,8 @@ void batchedAttentionBackwardInto(const Kernel& kern, const Eigen::MatrixBase<DQ
                                   const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
                                   const Eigen::MatrixBase<DDs>& dscale, Scale&& scale, const Mask& mask = Mask(),
                                   const Dropout& dropout = Dropout()) {
-  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
-  using Scalar = typename DQ::Scalar;
-  internal::batchedBackwardIntoChecked<Scalar>("sdpa::batchedAttentionBackwardInto", kern, q, k, v, out, logSumExp,
-                                               dOut, layout, heads, scale, mask, dropout, dq, dk, dv, dscale);
-  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, dscale);
+  internal::packedBackwardInto("sdpa::batchedAttentionBackwardInto", kern, q, k, v, out, logSumExp, dOut, layout, heads,
+                               dq, dk, dv, dscale, std::forward<Scale>(scale), mask, dropout);
 }
 
 /// \brief multiHeadAttentionBackward into gradients the caller sized (see
@@ -402,12 +416,9 @@ void multiHeadAttentionBackwardInto(const Kernel& kern, const Eigen::MatrixBase<
                                     const Eigen::MatrixBase<DDk>& dk, const Eigen::MatrixBase<DDv>& dv,
                                     const Eigen::MatrixBase<DDs>& dscale, Scale&& scale, const Mask& mask = Mask(),
                                     const Dropout& dropout = Dropout()) {
-  internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
-  using Scalar = typename DQ::Scalar;
-  internal::batchedBackwardIntoChecked<Scalar>("sdpa::multiHeadAttentionBackwardInto", kern, q, k, v, out, logSumExp,
-                                               dOut, internal::singleItem(q.rows(), k.rows()), heads, scale, mask,
-                                               dropout, dq, dk, dv, dscale);
-  if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, dscale);
+  internal::packedBackwardInto("sdpa::multiHeadAttentionBackwardInto", kern, q, k, v, out, logSumExp, dOut,
+                               internal::singleItem(q.rows(), k.rows()), heads, dq, dk, dv, dscale,
+                               std::forward<Scale>(scale), mask, dropout);
 }
 
 }  // namespace sdpa

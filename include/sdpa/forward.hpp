@@ -156,25 +156,13 @@ void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<
   using In = typename DQ::Scalar;
   using Acc = Accumulator<In>;
   if constexpr (scale::DependsOnKeyCount<Scale>) {
-    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau
-    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
-    if (sink)
-      throwInvalid(where, "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
-    Matrix<double> factors;
-    const Matrix<Acc> qs =
-        rowScaledQuery<Acc, Scale>(q, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask, factors);
+    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau.
     const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
-    if constexpr (std::is_same_v<In, Acc>) {
-      forwardInto<Out>(where, kern, qs, k, v, tau, mask, dropout, nullptr, output, lse);
-    } else if constexpr (std::is_same_v<Out, Acc>) {
-      forwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout, nullptr,
-                       output, lse);
-    } else {
-      Matrix<Acc> out(output.rows(), output.cols());
-      forwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), tau, mask, dropout, nullptr,
-                       out, lse);
-      output = out.template cast<Out>();
-    }
+    forwardRowScaled<Scale>(where, sink != nullptr, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask,
+                            output, [&](const auto& qs, const auto& kx, const auto& vx, auto o) {
+                              forwardInto<typename decltype(o)::Scalar>(where, kern, qs, kx, vx, tau, mask, dropout,
+                                                                        nullptr, o, lse);
+                            });
   } else {
     if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
       if (!sink) {

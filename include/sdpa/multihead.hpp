@@ -156,24 +156,12 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
   using Acc = Accumulator<In>;
   const HeadTaus<Acc> taus(scale, heads.query, dims.dK);
   if constexpr (scale::DependsOnKeyCount<Scale>) {
-    // tau_i = tau_h r(n_i): the same call on q' = r q with the per-head taus
-    // (internal/key_count_scale.hpp); half inputs are converted to float for it.
-    if (sink)
-      throwInvalid(where, "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
-    Matrix<double> factors;
-    const Matrix<Acc> qs = rowScaledQuery<Acc, Scale>(q, layout, heads, dims.dK, mask, factors);
-    if constexpr (std::is_same_v<In, Acc>) {
-      batchedForwardInto<Out>(where, kern, qs, k, v, layout, heads, dims, taus, mask, dropout, nullptr, out, lse);
-    } else if constexpr (std::is_same_v<Out, Acc>) {
-      batchedForwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, dims,
-                              taus, mask, dropout, nullptr, out, lse);
-    } else {
-      Matrix<Acc> outAcc(out.rows(), out.cols());
-      batchedForwardInto<Acc>(where, kern, qs, k.template cast<Acc>(), v.template cast<Acc>(), layout, heads, dims,
-                              taus, mask, dropout, nullptr, outAcc, lse);
-      out = outAcc.template cast<Out>();
-    }
-    return;
+    // tau_i = tau_h r(n_i): the same call on q' = r q with the per-head taus.
+    forwardRowScaled<Scale>(where, sink != nullptr, q, k, v, layout, heads, dims.dK, mask, out,
+                            [&](const auto& qs, const auto& kx, const auto& vx, auto o) {
+                              batchedForwardInto<typename decltype(o)::Scalar>(
+                                  where, kern, qs, kx, vx, layout, heads, dims, taus, mask, dropout, nullptr, o, lse);
+                            });
   } else {
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
       if (!sink) {

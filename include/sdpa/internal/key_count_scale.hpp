@@ -7,6 +7,7 @@
 #include "../layout.hpp"
 #include "../mask.hpp"
 #include "../scale.hpp"
+#include "checks.hpp"
 #include "macros.hpp"
 
 /*
@@ -64,14 +65,44 @@ Matrix<S> rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layo
   factors.setZero(q.rows(), heads.query);
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     const auto m = itemMask(mask, u);
-    for (Index i = 0; i < u.nQ; ++i) {
-      const double r = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head));
-      factors(u.q0 + i, u.head) = r;
-      for (Index c = 0; c < dK; ++c)
-        qs(u.q0 + i, u.head * dK + c) = S(r * double(Accumulator<typename DQ::Scalar>(q(u.q0 + i, u.head * dK + c))));
-    }
+    for (Index i = 0; i < u.nQ; ++i)
+      factors(u.q0 + i, u.head) = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head));
+    for (Index c = 0; c < dK; ++c)  // column by column: qs is column-major
+      for (Index i = 0; i < u.nQ; ++i)
+        qs(u.q0 + i, u.head * dK + c) =
+            S(factors(u.q0 + i, u.head) * double(Accumulator<typename DQ::Scalar>(q(u.q0 + i, u.head * dK + c))));
   });
   return qs;
+}
+
+/**
+ * The forward of a key-count scale: run(q', k, v, out) with q' = r q in the accumulation type,
+ * k and v as they are (float, double) or converted to float (half inputs), and out the caller's
+ * output or, for a half output, a float one rounded into it afterwards. A DiagnosticsSink takes
+ * fixed taus only.
+ */
+template <typename Scale, typename DQ, typename DK, typename DV, typename Mask, typename Out, typename Run>
+void forwardRowScaled(const char* where, bool sink, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v, const BatchLayout& layout, const Heads& heads, Index dK,
+                      const Mask& mask, Eigen::Ref<Matrix<Out>> out, Run&& run) {
+  using In = typename DQ::Scalar;
+  using Acc = Accumulator<In>;
+  if (sink)
+    throwInvalid(where, "a DiagnosticsSink takes a fixed tau, not one that depends on the key count (scale::LogN)");
+  Matrix<double> factors;
+  const Matrix<Acc> qs = rowScaledQuery<Acc, Scale>(q, layout, heads, dK, mask, factors);
+  if constexpr (std::is_same_v<In, Acc>) {
+    run(qs, k, v, out);
+  } else {
+    const Matrix<Acc> kAcc = k.template cast<Acc>(), vAcc = v.template cast<Acc>();
+    if constexpr (std::is_same_v<Out, Acc>) {
+      run(qs, kAcc, vAcc, out);
+    } else {
+      Matrix<Acc> outAcc(out.rows(), out.cols());
+      run(qs, kAcc, vAcc, Eigen::Ref<Matrix<Acc>>(outAcc));
+      out = outAcc.template cast<Out>();
+    }
+  }
 }
 
 /// dq = r dq' (row i of head h times factors(i, h), in double, rounded once).
