@@ -162,6 +162,25 @@ void BM_ForwardHeadsInto(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d * H), timer.seconds(), n, n, d * H);
 }
 
+/// A DiagnosticsSink's cost on the tiled forward (the rows' figures streamed beside the online
+/// softmax): sink 0 is the plain forward of the same shape, 1 the same call with a sink reused
+/// from call to call. args: n, d, threads, sink
+void BM_ForwardSink(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  sdpa::DiagnosticsSink sink;
+  sdpa::DiagnosticsSink* s = state.range(3) ? &sink : nullptr;
+  const sdpa::mask::None none;
+  benchmark::DoNotOptimize(sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, none, {}, s).output.data());
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    auto out = sdpa::attentionForward(q, k, v, sdpa::scale::InvSqrtDk{}, none, {}, s);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "d", "threads"});
   for (const Index n : {128, 512, 2048, 8192})
@@ -204,6 +223,11 @@ BENCHMARK(BM_ForwardSoftcap)
 BENCHMARK(BM_ForwardCausal)
     ->ArgNames({"n", "d", "threads"})
     ->ArgsProduct({{4096}, {64, 128}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardSink)
+    ->ArgNames({"n", "d", "threads", "sink"})
+    ->ArgsProduct({{1024, 4096, 16384}, {64, 128}, {1}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.

@@ -106,7 +106,8 @@ TEST_CASE("the streaming sink gives the same figures as the materialised path", 
   const Mat<double> q = randn<double>(L, H * dK, 1), k = randn<double>(S, dK, 2), v = randn<double>(S, 4, 3);
   const auto m = mask::combine(mask::Causal{Align::UpperLeft}, mask::Softcap{6.0});
   sdpa::DiagnosticsSink sink;
-  const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, 1}, scale::None{}, m, {}, &sink);
+  const auto fwd =
+      sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q, k, v, sdpa::Heads{H, 1}, scale::None{}, m, {}, &sink);
   CHECK(fwd.output == sdpa::multiHeadAttention(sdpa::kernel::Naive{}, q, k, v, sdpa::Heads{H, 1}, scale::None{},
                                                m));  // sink is passive
   const sdpa::Diagnostics streamed = sdpa::diagnostics(sink);
@@ -129,8 +130,161 @@ TEST_CASE("the streaming sink gives the same figures as the materialised path", 
   CHECK(streamed.verdicts == direct.verdicts);
   // Single head through attentionForward.
   sdpa::DiagnosticsSink one;
-  sdpa::attentionForward(q.leftCols(dK), k, v, scale::InvSqrtDk{}, mask::None{}, {}, &one);
+  sdpa::attentionForward(sdpa::kernel::Naive{}, q.leftCols(dK), k, v, scale::InvSqrtDk{}, mask::None{}, {}, &one);
   CHECK(sdpa::diagnostics(one).heads.at(0).entropy.mean == sdpa::diagnose(q.leftCols(dK), k).heads.at(0).entropy.mean);
+}
+
+namespace {
+
+/// The tiled kernel's sink rows against the naive kernel's (which reads each row whole), row by
+/// row: counts, argmax exactly (unless two logits are within rounding), the rest within `tol`
+/// of the figure's scale. Both kernels compute their logits in T, in their own order.
+void checkSameRows(const sdpa::DiagnosticsSink& tiled, const sdpa::DiagnosticsSink& naive, double tol) {
+  REQUIRE(tiled.heads() == naive.heads());
+  for (Index h = 0; h < naive.heads(); ++h) {
+    REQUIRE(tiled.rows(h).size() == naive.rows(h).size());
+    for (size_t i = 0; i < naive.rows(h).size(); ++i) {
+      const auto& a = tiled.rows(h)[i];
+      const auto& b = naive.rows(h)[i];
+      INFO("head " << h << ", row " << i);
+      REQUIRE(a.visible == b.visible);
+      if (b.visible == 0) continue;
+      const double top = 1 + std::abs(b.logitMax), spread = std::sqrt(double(b.visible) * b.logitSumSq) + 1;
+      if (b.gap > tol * top) CHECK(a.argmax == b.argmax);
+      CHECK(std::abs(a.logitMax - b.logitMax) <= tol * top);
+      CHECK(std::abs(a.logitMin - b.logitMin) <= tol * (1 + std::abs(b.logitMin)));
+      if (std::isinf(b.gap))
+        CHECK(a.gap == b.gap);
+      else
+        CHECK(std::abs(a.gap - b.gap) <= 2 * tol * top);
+      CHECK(std::abs(a.logitSum - b.logitSum) <= tol * spread);
+      CHECK(std::abs(a.logitSumSq - b.logitSumSq) <= tol * (b.logitSumSq + 1));
+      const double rawSpread = std::sqrt(double(b.visible) * b.rawSumSq) + 1;
+      CHECK(std::abs(a.rawSum - b.rawSum) <= tol * rawSpread);
+      CHECK(std::abs(a.rawSumSq - b.rawSumSq) <= tol * (b.rawSumSq + 1));
+      CHECK(std::abs(a.overFp16 - b.overFp16) <= (tol > 1e-9 ? 1 : 0));
+      CHECK(std::abs(a.overFp32 - b.overFp32) <= (tol > 1e-9 ? 1 : 0));
+      CHECK(std::abs(a.lse - b.lse) <= tol * top);
+      CHECK(std::abs(a.pMax - b.pMax) <= tol * top);
+      CHECK(std::abs(a.entropy - b.entropy) <= tol * top);
+      CHECK(std::abs(a.jacobianNorm - b.jacobianNorm) <= tol * top);
+    }
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the tiled kernel streams a sink's rows: the naive kernel's figures, the same output",
+                   "[diagnostics][sink]", float, double) {
+  using T = TestType;
+  const double tol = std::is_same_v<T, float> ? 2e-4 : 1e-10;
+  const Index H = 4, G = 2, dK = 24, dV = 8;
+  const auto run = [&](const auto& kern, Index nQ, Index nK, const auto& scale, const auto& m, double sd,
+                       sdpa::DiagnosticsSink& sink) {
+    const Mat<T> q = randn<double>(nQ, H * dK, 11, sd).cast<T>(), k = randn<double>(nK, G * dK, 12, sd).cast<T>(),
+                 v = randn<double>(nK, G * dV, 13).cast<T>();
+    return sdpa::multiHeadAttentionForward(kern, q, k, v, sdpa::Heads{H, G}, scale, m, {}, &sink).output;
+  };
+  const auto compare = [&](Index nQ, Index nK, const auto& scale, const auto& m, double sd) {
+    forEachKernel([&](const auto& kern, const char* name) {
+      if (std::is_same_v<std::decay_t<decltype(kern)>, sdpa::kernel::Naive>) return;
+      INFO(name << ", " << nQ << " x " << nK);
+      sdpa::DiagnosticsSink tiled, naive;
+      const Mat<T> out = run(kern, nQ, nK, scale, m, sd, tiled);
+      run(sdpa::kernel::Naive{}, nQ, nK, scale, m, sd, naive);
+      checkSameRows(tiled, naive, tol);
+      // The sink is passive: the same output as the same call without one, to the bit (but for
+      // tau = 0, whose float prefill takes the general kernel with a sink).
+      const Mat<T> q = randn<double>(nQ, H * dK, 11, sd).cast<T>(), k = randn<double>(nK, G * dK, 12, sd).cast<T>(),
+                   v = randn<double>(nK, G * dV, 13).cast<T>();
+      if (scale.template value<double>(dK) != 0 || std::is_same_v<T, double>)
+        CHECK(out == sdpa::multiHeadAttention(kern, q, k, v, sdpa::Heads{H, G}, scale, m));
+    });
+  };
+  for (const auto& [nQ, nK] : std::vector<std::pair<Index, Index>>{{37, 300}, {70, 45}, {3, 200}, {1, 1}}) {
+    SECTION("no mask, " + std::to_string(nQ) + " x " + std::to_string(nK)) {
+      compare(nQ, nK, scale::InvSqrtDk{}, mask::None{}, 1.0);
+      compare(nQ, nK, scale::None{}, mask::None{}, 1.5);  // large logits: nearly one-hot rows, fp16 overflow counts
+    }
+    SECTION("causal and window, " + std::to_string(nQ) + " x " + std::to_string(nK)) {
+      compare(nQ, nK, scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, 1.0);
+      compare(nQ, nK, scale::InvSqrtDk{}, mask::Causal{Align::UpperLeft}, 1.0);  // fully masked rows when n_q > n_k
+      compare(nQ, nK, scale::Constant{0.5}, mask::SlidingWindow{7, 3, Align::LowerRight}, 1.0);
+    }
+    SECTION("softcap and ALiBi (raw q.k apart from the logits), " + std::to_string(nQ) + " x " + std::to_string(nK)) {
+      compare(nQ, nK, scale::None{}, mask::combine(mask::Causal{Align::LowerRight}, mask::Softcap{5.0}), 1.0);
+      compare(nQ, nK, scale::InvSqrtDk{}, mask::Alibi{{0.5, 0.25, 0.125, 0.0625}, Align::LowerRight}, 1.0);
+    }
+    SECTION("tau = 0: every logit 0, the raw q.k from a product of its own") {
+      compare(nQ, nK, scale::Constant{0.0}, mask::None{}, 1.0);
+    }
+  }
+}
+
+TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the folded diagnostics",
+          "[diagnostics][sink]") {
+  const Index H = 2, dK = 32, nQ = 40, nK = 90;
+  const Mat<float> q = randn<double>(nQ, H * dK, 21).cast<float>(), k = randn<double>(nK, H * dK, 22).cast<float>(),
+                   v = randn<double>(nK, H * dK, 23).cast<float>();
+  SECTION("bfloat16 and half inputs: the figures of the logits the kernel computed (fp32 products)") {
+    sdpa::DiagnosticsSink tiled, naive;
+    const Mat<Eigen::bfloat16> qb = q.cast<Eigen::bfloat16>(), kb = k.cast<Eigen::bfloat16>(),
+                               vb = v.cast<Eigen::bfloat16>();
+    sdpa::multiHeadAttentionForward(qb, kb, vb, sdpa::Heads{H}, scale::InvSqrtDk{}, mask::None{}, {}, &tiled);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qb, kb, vb, sdpa::Heads{H}, scale::InvSqrtDk{}, mask::None{},
+                                    {}, &naive);
+    checkSameRows(tiled, naive, 2e-4);
+    const Mat<Eigen::half> qh = q.cast<Eigen::half>(), kh = k.cast<Eigen::half>(), vh = v.cast<Eigen::half>();
+    sdpa::multiHeadAttentionForward(qh, kh, vh, sdpa::Heads{H}, scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, {},
+                                    &tiled);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qh, kh, vh, sdpa::Heads{H}, scale::InvSqrtDk{},
+                                    mask::Causal{Align::LowerRight}, {}, &naive);
+    checkSameRows(tiled, naive, 2e-4);
+  }
+  SECTION("a padded batch: each item's rows, its padding hidden") {
+    const auto layout = sdpa::BatchLayout::padded(2, nQ / 2, nK / 2, {20, 13}, {45, 30});
+    sdpa::DiagnosticsSink tiled, naive;
+    const auto m = mask::Causal{Align::LowerRight};
+    sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H}, scale::InvSqrtDk{}, m, {}, &tiled);
+    sdpa::batchedAttentionForward(sdpa::kernel::Naive{}, q, k, v, layout, sdpa::Heads{H}, scale::InvSqrtDk{}, m, {},
+                                  &naive);
+    checkSameRows(tiled, naive, 2e-4);
+  }
+  SECTION("ties at the maximum: the first key, a gap of 0, the Jacobian of two equal weights") {
+    // Rows of q = 0 (every logit 0) and keys repeated (each logit twice): ties at every level.
+    Mat<float> qt = q, kt = k;
+    qt.topRows(5).setZero();
+    kt.bottomRows(nK / 2) = kt.topRows(nK / 2);
+    sdpa::DiagnosticsSink tiled, naive;
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Tiled{8, 16}, qt, kt, v, sdpa::Heads{H}, scale::None{}, mask::None{},
+                                    {}, &tiled);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qt, kt, v, sdpa::Heads{H}, scale::None{}, mask::None{}, {},
+                                    &naive);
+    checkSameRows(tiled, naive, 2e-4);
+    for (Index h = 0; h < H; ++h)
+      for (size_t i = 0; i < size_t(nQ); ++i) {
+        const auto& r = tiled.rows(h)[i];
+        CHECK(r.gap == 0);
+        CHECK(r.argmax < nK / 2);  // the first of the two equal keys
+        if (i < 5) CHECK(r.argmax == 0);
+      }
+  }
+  SECTION("the folded Diagnostics agree") {
+    sdpa::DiagnosticsSink tiled, naive;
+    sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H}, scale::None{}, mask::None{}, {}, &tiled);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q, k, v, sdpa::Heads{H}, scale::None{}, mask::None{}, {},
+                                    &naive);
+    const sdpa::Diagnostics a = sdpa::diagnostics(tiled), b = sdpa::diagnostics(naive);
+    REQUIRE(a.heads.size() == b.heads.size());
+    for (size_t h = 0; h < a.heads.size(); ++h) {
+      CHECK(a.heads[h].entropy.mean == Approx(b.heads[h].entropy.mean).epsilon(1e-4));
+      CHECK(a.heads[h].maxWeight.median == Approx(b.heads[h].maxWeight.median).epsilon(1e-4));
+      CHECK(a.heads[h].jacobianNorm.mean == Approx(b.heads[h].jacobianNorm.mean).epsilon(1e-4));
+      CHECK(a.heads[h].logitStd == Approx(b.heads[h].logitStd).epsilon(1e-4));
+      CHECK(a.heads[h].saturatedFraction == b.heads[h].saturatedFraction);
+    }
+    CHECK(a.verdicts == b.verdicts);
+  }
 }
 
 TEST_CASE("known cases: uniform attention, one-hot attention, identical heads  [seed C5, C6, C18]", "[diagnostics]") {

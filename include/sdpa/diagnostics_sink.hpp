@@ -14,8 +14,9 @@ namespace sdpa {
 /**
  * \brief Pass its address as the last argument of attentionForward or multiHeadAttentionForward
  * to collect, per head and query row, the statistics `diagnostics(sink)` folds into a
- * Diagnostics, without a second pass over P. Each forward pass overwrites it. Costs one copy of
- * the raw logits and a few running sums per row.
+ * Diagnostics, without a second pass over P. Each forward pass overwrites it. The tiled kernel
+ * streams each row's figures beside its online softmax (a few running sums per row, O(n_q) memory);
+ * the naive kernel reads each materialised row.
  */
 class DiagnosticsSink {
  public:
@@ -25,7 +26,10 @@ class DiagnosticsSink {
 
   /// Called by the kernels: sizes the sink for `heads` heads of `queries` rows.
   void start(Index heads, Index queries) {
-    m_rows.assign(size_t(heads), std::vector<internal::RowStats>(size_t(queries)));
+    // Resized in place: a sink reused across calls keeps its memory (fresh pages cost more than
+    // the rows' statistics).
+    m_rows.resize(size_t(heads));
+    for (auto& rows : m_rows) rows.assign(size_t(queries), internal::RowStats{});
     m_inputs.assign(size_t(heads), internal::HeadInputs{});
   }
   std::vector<internal::RowStats>& rows(Index h) { return m_rows[size_t(h)]; }

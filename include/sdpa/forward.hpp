@@ -12,6 +12,7 @@
 
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "diagnostics_sink.hpp"
 #include "dropout.hpp"
@@ -125,6 +126,26 @@ void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, co
   }
 }
 
+/**
+ * Sizes `sink` for a call of `heads` query heads over q's rows and records each head's inputs
+ * (q and k's head blocks and tau, for the summaries); returns each query head's rows, which the
+ * kernel fills.
+ */
+template <typename Acc, typename DQ, typename DK, typename Scale>
+std::vector<RowStats*> startSink(DiagnosticsSink& sink, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                 const Heads& heads, Index dK, const Scale& scale) {
+  sink.start(heads.query, q.rows());
+  std::vector<RowStats*> rows(size_t(heads.query));
+  std::vector<Moments> kv(size_t(heads.keyValue));  // once per kv head, for the group's heads
+  for (Index g = 0; g < heads.keyValue; ++g) kv[size_t(g)] = moments(k.middleCols(g * dK, dK));
+  for (Index h = 0; h < heads.query; ++h) {
+    sink.inputs(h) = headInputs(moments(q.middleCols(h * dK, dK)), kv[size_t(h / heads.groupSize())], dK, q.rows(),
+                                k.rows(), double(headScale(scale, h).template value<Acc>(dK)));
+    rows[size_t(h)] = sink.rows(h).data();
+  }
+  return rows;
+}
+
 /// The naive kernel on one head: half-precision inputs are converted to float first.
 template <typename Out, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
@@ -133,10 +154,7 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   using Acc = Accumulator<typename DQ::Scalar>;
   typename forward_naive_impl<Acc>::Scratch scratch;
   const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
-  if (sink) {
-    sink->start(1, q.rows());
-    sink->inputs(0) = headInputs(q.template cast<Acc>(), k.template cast<Acc>(), double(tau.tau));
-  }
+  if (sink) startSink<Acc>(*sink, q, k, Heads{1}, q.cols(), scale);
   Matrix<Acc> out(q.rows(), v.cols());
   forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), tau, mask,
                                dropout, 0, 0, 0, out, lse, scratch, sink ? &sink->rows(0) : nullptr);
@@ -145,8 +163,8 @@ void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
 
 /**
  * The single-head forward into sized outputs (output n_q x d_v, lse n_q), after the checks: the
- * tiled kernel writes them in place (no allocation once the thread's scratch has grown); the
- * naive kernel, a sink and a key-count scale go through temporaries.
+ * tiled kernel writes them in place (no allocation once the thread's scratch has grown), a sink's
+ * rows too; the naive kernel and a key-count scale go through temporaries.
  */
 template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -165,14 +183,14 @@ void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<
                             });
   } else {
     if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
-      if (!sink) {
-        forwardTiled<In, Out>(kern, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
-                              HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse);
-        return;
-      }
+      const std::vector<RowStats*> rows =
+          sink ? startSink<Acc>(*sink, q, k, Heads{1}, q.cols(), scale) : std::vector<RowStats*>{};
+      forwardTiled<In, Out>(kern, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
+                            HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse,
+                            sink ? rows.data() : nullptr);
+    } else {
+      forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, output, lse);
     }
-    // The naive kernel, also for a DiagnosticsSink (it reads the materialised weights).
-    forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, output, lse);
   }
 }
 

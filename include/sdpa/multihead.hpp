@@ -79,14 +79,7 @@ void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, cons
                       const Dropout& dropout, const BatchLayout& layout, Eigen::Ref<Matrix<Scalar>> out,
                       Eigen::Ref<Matrix<Scalar>> lse, DiagnosticsSink* sink) {
   typename forward_naive_impl<Scalar>::Scratch scratch;
-  if (sink) {
-    sink->start(heads.query, q.rows());
-    for (Index h = 0; h < heads.query; ++h) {
-      const Index g = h / heads.groupSize();
-      sink->inputs(h) = headInputs(q.middleCols(h * dims.dK, dims.dK), k.middleCols(g * dims.dK, dims.dK),
-                                   double(headScale(scale, h).template value<Scalar>(dims.dK)));
-    }
-  }
+  if (sink) startSink<Scalar>(*sink, q, k, heads, dims.dK, scale);
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     forward_naive_impl<Scalar>::run(
         headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
@@ -144,7 +137,7 @@ HeadDims checkBatch(const char* where, Index qRows, Index qCols, Index kRows, In
   return dims;
 }
 
-/// The multi-head and batched forward of either kernel (a sink selects the naive one) into
+/// The multi-head and batched forward of either kernel (a sink's rows from either) into
 /// sized outputs, after checkBatch: out (sum n_q) x (H d_v), lse (sum n_q) x H.
 template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
 void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
@@ -164,12 +157,11 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
                             });
   } else {
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-      if (!sink) {
-        forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, out, lse);
-        return;
-      }
-    }
-    if constexpr (std::is_same_v<Out, Acc>) {
+      const std::vector<RowStats*> rows =
+          sink ? startSink<Acc>(*sink, q, k, heads, dims.dK, taus) : std::vector<RowStats*>{};
+      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, out, lse,
+                            sink ? rows.data() : nullptr);
+    } else if constexpr (std::is_same_v<Out, Acc>) {
       multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                             mask, dropout, layout, out, lse, sink);
     } else {

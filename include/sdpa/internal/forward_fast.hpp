@@ -12,6 +12,7 @@
 #include "../mask.hpp"
 #include "../softmax.hpp"
 #include "cpu.hpp"
+#include "diagnostics_rows.hpp"
 #include "forward_naive.hpp"
 #include "macros.hpp"
 #include "parallel.hpp"
@@ -46,6 +47,31 @@ namespace fast {
 
 /// kExpCut in units of ln 2: 2^x at or below it is exactly 0, as exp at or below kExpCut.
 constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
+
+/// The figures statsTile writes per lane (a DiagnosticsSink's TileSums; kBelow: the largest
+/// logit under the maximum, kArg: the tile's first key at it), and after them the two more a
+/// lane keeps (addStats).
+enum TileFigure : int {
+  kVisible,
+  kSum,
+  kSumSq,
+  kEs,
+  kAtMax,
+  kO1,
+  kO2,
+  kO3,
+  kMin,
+  kBelow,
+  kArg,
+  kRawSum,
+  kRawSumSq,
+  kOver16,
+  kOver32,
+  kTileFigures,
+  kM = kTileFigures,
+  kArgmax,
+  kLaneFigures
+};
 
 namespace amx {
 constexpr Index kKeys = 32;   // keys (and value columns) per block of 2 x 2 tiles
@@ -336,6 +362,8 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
 /// the key range of each lane group in a partial tile.
 struct Scratch {
   Buffer<float> qT, sT, accT, max, sum, top, bad;
+  Buffer<float> pT, rawT, figures;  // a DiagnosticsSink's: weights apart from the logits, products
+  Buffer<double> laneStats;         // its lanes' running figures (addStats)
   Buffer<Index> keyBegin, keyEnd;
   Buffer<float> kTile, vTile;    // the fp32 kernel's k and v tiles, copied (forwardBlock)
   Buffer<std::uint32_t> qP, pP;  // the bf16 kernel's q^T and weights, in pairs
@@ -354,12 +382,14 @@ struct Scratch {
  * Float k and v take fp32 products (`fold`: tau folded into q), q float or half (converted,
  * exactly, block by block). bfloat16 or half k and v (packed in `bf`, bk even) take the bf16
  * products, tau applied to the fp32 logits. Everything after the logits is the same code.
+ * `stats` (bq rows, or null): a DiagnosticsSink's rows, streamed from each tile's logits (the
+ * weights then go to a buffer of their own, so the output is the same to the bit).
  */
 template <typename DQ, typename DK, typename DV, typename Mask, typename DOut, typename DLse>
 void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                   float tau, bool fold, LogitBounds bounds, const Mask& mask, Index head, Index i0, Index bq, Index bk,
                   const Eigen::MatrixBase<DOut>& out_, const Eigen::MatrixBase<DLse>& lse_,
-                  const Bf16Head* bf = nullptr) {
+                  const Bf16Head* bf = nullptr, RowStats* stats = nullptr) {
 #if SDPA_HAS_ISA_DISPATCH
   using In = typename DK::Scalar;  // k and v's: what the products take
   constexpr bool Bf16 = !std::is_same_v<In, float>;
@@ -411,6 +441,21 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     }
   }
   float* sT = sc.sT.get(bk * lanes);
+  // With a sink the weights leave the logits in place for statsTile; the raw q.k is the
+  // product / (tau unit) where a softcap or a bias keeps it from being the logit / tau.
+  float* pT = stats ? sc.pT.get(bk * lanes) : sT;
+  const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
+  float* rawT = rawNeeded ? sc.rawT.get(bk * lanes) : nullptr;
+  float* figures = stats ? sc.figures.get(kTileFigures * lanes) : nullptr;
+  double* laneStats = stats ? sc.laneStats.get(kLaneFigures * lanes) : nullptr;
+  if (stats) {
+    std::fill(laneStats, laneStats + kLaneFigures * lanes, 0.0);
+    std::fill(laneStats + kMin * lanes, laneStats + (kMin + 1) * lanes, std::numeric_limits<double>::infinity());
+    for (const int x : {int(kBelow), int(kM)})
+      std::fill(laneStats + x * lanes, laneStats + (x + 1) * lanes, -std::numeric_limits<double>::infinity());
+  }
+  const float limit16 = float(11.089866488461016 * unit), limit32 = float(88.72283905206835 * unit);
+  const double toNatural = base2 ? 0.6931471805599453 : 1.0;
   std::uint32_t* pP = Bf16 ? sc.pP.get((bk + 1) / 2 * lanes) : nullptr;
   float* accT = sc.accT.get(dVp * lanes);
   float* m = sc.max.get(lanes);
@@ -476,6 +521,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       else
         avx2::logits(qT, lanes, dK, kTile, 1, ldt, {rb, re, cols}, sT, plain ? top : nullptr);
     }
+    if (rawNeeded) std::copy(sT, sT + cols * lanes, rawT);
     // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
     Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
     // Entries out of range are hidden and never read by the softmax; the scale and a mask that
@@ -494,36 +540,53 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     const float* tileMax = plain ? top : nullptr;
     if (isa >= Isa::Avx512) {
       if (base2)
-        avx512::softmaxTile<true>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTile<true>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
       else
-        avx512::softmaxTile<false>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTile<false>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
     } else {
       if (base2)
-        avx2::softmaxTile<true>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx2::softmaxTile<true>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
       else
-        avx2::softmaxTile<false>(sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx2::softmaxTile<false>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+    }
+    if (stats) {
+      const float rawScale = 1.0f / (fold ? tau * unit : 1.0f);
+      const bool allVisible = t == mask::Tile::Visible && !checked;
+      if (isa >= Isa::Avx512) {
+        if (allVisible)
+          avx512::statsTile<true>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
+        else
+          avx512::statsTile<false>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
+        avx512::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
+      } else {
+        if (allVisible)
+          avx2::statsTile<true>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
+        else
+          avx2::statsTile<false>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
+        avx2::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
+      }
     }
     if constexpr (Bf16) {
       if (bf->vFinite[j0 / bk] != 0) {
         if (amx) {
-          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP, amx::kKeys);
+          avx512bf16::weightPairs(pT, lanes, {rb, re, cols}, pP, amx::kKeys);
           amx::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accT);
         } else {
-          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
+          avx512bf16::weightPairs(pT, lanes, {rb, re, cols}, pP);
           avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
         }
       } else {
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
-        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);
+        valuesSkippingZeros(pT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);
       }
     } else {
       copyRows(v, j0, cols, vTile, ldt);
       if (!allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt))))
-        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, vTile, 1, ldt, dV, accT);
+        valuesSkippingZeros(pT, lanes, bq, cols, rb, re, group, vTile, 1, ldt, dV, accT);
       else if (isa >= Isa::Avx512)
-        avx512::values(sT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
+        avx512::values(pT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
       else
-        avx2::values(sT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
+        avx2::values(pT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
     }
   }
   // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.
@@ -541,9 +604,22 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     const float* a = accT + c * lanes;
     for (Index i = 0; i < bq; ++i) out(i, c) = OutScalar(bad[i] != 0.0f ? nan : r[i] * a[i]);
   }
+  for (Index i = 0; stats && i < bq; ++i) {
+    const auto lane = [&](int x) { return laneStats[x * lanes + i]; };
+    RowStream row;
+    row.m = lane(kM);
+    TileSums& x = row.t;
+    x.visible = lane(kVisible), x.sum = lane(kSum), x.sumSq = lane(kSumSq), x.es = lane(kEs), x.atMax = lane(kAtMax);
+    x.o1 = lane(kO1), x.o2 = lane(kO2), x.o3 = lane(kO3), x.min = lane(kMin);
+    x.top = row.m;  // the softmax's maximum is the row's largest logit
+    x.second = x.atMax >= 2 ? row.m : lane(kBelow);
+    x.argmax = Index(lane(kArgmax)), x.rawSum = lane(kRawSum), x.rawSumSq = lane(kRawSumSq);
+    x.over16 = lane(kOver16), x.over32 = lane(kOver32);
+    stats[i] = row.finish(double(lse(i)), toNatural, rawNeeded ? 0.0 : tau);
+  }
 #else
   (void)q, (void)k, (void)v, (void)tau, (void)fold, (void)bounds, (void)mask, (void)head, (void)i0, (void)bq, (void)bk;
-  (void)out_, (void)lse_, (void)bf;
+  (void)out_, (void)lse_, (void)bf, (void)stats;
 #endif
 }
 

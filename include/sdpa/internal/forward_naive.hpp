@@ -73,6 +73,13 @@ void applyDropout(const Eigen::MatrixBase<Derived>& p_, const Dropout& dropout, 
       if (p(i, j) != 0) p(i, j) = dropout.keep(row0 + i, col0 + j, head) ? p(i, j) * keepScale : Scalar(0);
 }
 
+/// Whether a row's raw q.k is its logit / tau at every visible key (the diagnostics' raw sums
+/// then come from the logits'): no softcap, no bias, tau != 0.
+template <typename Mask, typename Scalar>
+bool rawIsLogitOverTau(const Mask& mask, Scalar tau) {
+  return !Mask::HasBias && mask::internal::softcapOf(mask) == 0 && tau != Scalar(0);
+}
+
 /**
  * The reference kernel: materialises the n_q x n_k logits. Memory O(n_q n_k); the tiled kernel
  * that does not is a separate pass.
@@ -115,7 +122,7 @@ struct forward_naive_impl {
     s.noalias() = q * k.transpose();
     const Scalar tau = scale.template value<Scalar>(q.cols());
     // Without bias or softcap the raw q.k is the logit / tau: no copy needed.
-    const bool rawFromLogits = !Mask::HasBias && mask::internal::softcapOf(mask) == 0 && tau != 0;
+    const bool rawFromLogits = rawIsLogitOverTau(mask, tau);
     for (Index i = 0; i < s.rows(); ++i) {
       auto row = s.row(i);
       if (!rawFromLogits) scratch.raw = row;

@@ -17,6 +17,7 @@
 #include "../layout.hpp"
 #include "../mask.hpp"
 #include "../scale.hpp"
+#include "diagnostics_rows.hpp"
 #include "forward_fast.hpp"
 #include "forward_naive.hpp"
 #include "macros.hpp"
@@ -182,8 +183,10 @@ struct forward_tiled_impl {
   /// Per-thread scratch, allocated on first use and reused by every later call on the thread.
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
+    Buffer<Acc> logits, raw;                // a DiagnosticsSink's copies of a tile
     OnlineSoftmax<Acc> state, part;         // part: a key split merged into state
     std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
+    std::vector<RowStream> rows, partRows;  // a DiagnosticsSink's rows of the block (and of part)
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -219,13 +222,14 @@ struct forward_tiled_impl {
   /**
    * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v) against keys
    * [kBegin, kEnd) in tiles of bk: leaves the unnormalised state in `state`. (row0, col0) place
-   * the head in the packed batch for the dropout counters.
+   * the head in the packed batch for the dropout counters. `stats` (bq rows, or null) streams
+   * the rows' diagnostics (a DiagnosticsSink's), from each tile's logits before the dropout.
    */
   template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
   static void stream(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                      const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
                      Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
-                     bool resume = false) {
+                     bool resume = false, RowStream* stats = nullptr) {
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     if (!resume) state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
@@ -234,7 +238,10 @@ struct forward_tiled_impl {
     // apart), and a walk in qs's row order touched a page per element (3%).
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
     const Acc tau = scale.template value<Acc>(dK);
-    const bool fold = foldsScaleIntoQuery(tau);
+    // The diagnostics' raw q.k where it is not the logit / tau: the product before the scale (a
+    // scale of 0 folded into q would leave nothing of it).
+    const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
+    const bool fold = foldsScaleIntoQuery(tau) && !(stats && tau == Acc(0));
     for (Index c = 0; c < dK; ++c) {
       const auto column = q.col(c).segment(i0, bq).template cast<Acc>();
       if (tau == Acc(1) || !fold)
@@ -287,11 +294,20 @@ struct forward_tiled_impl {
         const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
         s.noalias() = qs * kt.transpose();  // b_q x b_k logits
       }
+      TileMap raw(rawNeeded ? sc.raw.get(bq * chunk) : nullptr, bq, rawNeeded ? cols : 0);
+      if (rawNeeded) raw = s;
       if (!fold) s *= tau;
       if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
+      TileMap logits(stats ? sc.logits.get(bq * chunk) : nullptr, bq, stats ? cols : 0);
+      if (stats) logits = s;
       // Masked tiles hold -inf; so may any tile whose k holds inf (q k^T = -inf), which only
       // the logits themselves reveal without another pass over k: every tile takes the select.
       state.absorb(s);
+      if (stats)
+        for (Index r = 0; r < bq; ++r)
+          stats[r].add(tileRowSums(&logits(r, 0), &s(r, 0), rawNeeded ? &raw(r, 0) : nullptr,
+                                   fold ? Acc(1) / tau : Acc(1), cols, state.max()(r), j0),
+                       double(state.max()(r)), 1.0);
       if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
       auto acc = state.acc();
       if (decode) {
@@ -355,12 +371,16 @@ inline Index keySplits(Index rows, Index nK, Index tileK) {
  * unit (a few query rows, many keys) is also split over key ranges (keySplits) whose states are
  * merged by their logSumExp, left to right: in parallel when the units are fewer than the
  * threads, else one after the other inside the unit's work item -- the same arithmetic.
+ * `stats` (null, or one pointer per query head to its (sum n_q) rows): a DiagnosticsSink's rows,
+ * streamed with the online softmax and merged across key splits as the states are; decoding
+ * units are then not grouped (the same arithmetic), and a head of tau = 0 takes the general
+ * kernel (its raw q.k is a product of its own).
  */
 template <typename In, typename Out, typename Scale, typename Mask>
 void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const ConstRef<In>& k, const ConstRef<In>& v,
                   const BatchLayout& layout, const Heads& heads, const HeadDims& dims, const Scale& scale,
                   const Mask& mask, const Dropout& dropout, Eigen::Ref<Matrix<Out>> out,
-                  Eigen::Ref<Matrix<Accumulator<In>>> lse) {
+                  Eigen::Ref<Matrix<Accumulator<In>>> lse, RowStats* const* stats = nullptr) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
   if (dims.dK == 0 || dims.dV == 0) {
@@ -381,7 +401,7 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : q, dims.dK == 0 ? ConstRef<In>(k1) : k,
                           dims.dV == 0 ? ConstRef<In>(v1) : v, layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
-                          dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse);
+                          dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse, stats);
     return;
   }
   const TileSizes tile = tileSizes(kernel, dims.dK, dims.dV);
@@ -420,7 +440,10 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
   // Items of more than kDecodeRows queries run every query block on the fast kernel, the last
   // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
   // fewer are decoding, split over key ranges.
-  const auto prefill = [&](const ItemHead& u) { return useFast && u.nQ > Impl::kDecodeRows; };
+  const auto prefill = [&](const ItemHead& u) {
+    return useFast && u.nQ > Impl::kDecodeRows &&
+           !(stats && headScale(scale, u.head).template value<float>(dims.dK) == 0.0f);
+  };
   auto& units = plan.units;
   units.clear();
   Index parts = 0;
@@ -514,14 +537,17 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
       const auto l = lse.col(u.head).segment(u.q0 + w.i0, w.rows);
       const auto m = itemMask(mask, u);
       const fast::LogitBounds& b = bounds[size_t(w.pair)];
+      RowStats* rows = stats ? stats[u.head] + u.q0 + w.i0 : nullptr;
       if constexpr (kFloat) {
-        fast::forwardBlock(qh, kh, vh, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l);
+        fast::forwardBlock(qh, kh, vh, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l, nullptr,
+                           rows);
       } else if (useBf16) {
-        fast::forwardBlock(qh, kh, vh, tau, false, b, m, u.head, w.i0, w.rows, bk, o, l, &bf16[size_t(w.pair)]);
+        fast::forwardBlock(qh, kh, vh, tau, false, b, m, u.head, w.i0, w.rows, bk, o, l, &bf16[size_t(w.pair)], rows);
       } else {
         const Eigen::Map<const Matrix<float>> kf(kF[size_t(w.pair)], u.nK, dims.dK),
             vf(vF[size_t(w.pair)], u.nK, dims.dV);
-        fast::forwardBlock(qh, kf, vf, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l);
+        fast::forwardBlock(qh, kf, vf, tau, foldsScaleIntoQuery(tau), b, m, u.head, w.i0, w.rows, bk, o, l, nullptr,
+                           rows);
       }
       return true;
     } else {
@@ -536,23 +562,35 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     const Index tilesK = (u.nK + tile.k - 1) / tile.k, per = (tilesK + w.splits - 1) / w.splits;
     return std::min(u.nK, split * per * tile.k);
   };
+  // rows: the sink's streams of the unit's rows (sc.rows, or sc.partRows for a split merged after).
   const auto streamKeys = [&](const Unit& w, Index kBegin, Index kEnd, OnlineSoftmax<Acc>& state,
-                              typename Impl::Scratch& sc, bool resume) {
+                              typename Impl::Scratch& sc, bool resume, std::vector<RowStream>* rows = nullptr) {
     const ItemHead& u = pairs[size_t(w.pair)];
+    if (rows && !resume) rows->assign(size_t(w.rows), RowStream{});
     Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
                  v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
-                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc, resume);
+                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc, resume,
+                 rows ? rows->data() : nullptr);
   };
-  const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc) {
-    streamKeys(w, splitBegin(w, split), splitBegin(w, split + 1), state, sc, false);
+  const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc,
+                         std::vector<RowStream>* rows = nullptr) {
+    streamKeys(w, splitBegin(w, split), splitBegin(w, split + 1), state, sc, false, rows);
   };
   const auto finish = [&](const Unit& w, OnlineSoftmax<Acc>& state) {
     const ItemHead& u = pairs[size_t(w.pair)];
-    state.finish(out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV),
-                 lse.col(u.head).segment(u.q0 + w.i0, w.rows));
+    const auto l = lse.col(u.head).segment(u.q0 + w.i0, w.rows);
+    state.finish(out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV), l);
+    if (stats) {  // the unit's rows, streamed and merged by this thread (sc.rows)
+      const Acc tau = headScale(scale, u.head).template value<Acc>(dims.dK);
+      const double rawTau = rawIsLogitOverTau(itemMask(mask, u), tau) ? double(tau) : 0.0;
+      const auto& rows = Impl::threadScratch().rows;
+      for (Index i = 0; i < w.rows; ++i)
+        stats[u.head][u.q0 + w.i0 + i] = rows[size_t(i)].finish(double(l(i)), 1.0, rawTau);
+    }
   };
 
-  if (Index(units.size()) >= threads || parts == Index(units.size())) {
+  // (With a sink, always: each thread merges its units' splits, and their rows' streams.)
+  if (Index(units.size()) >= threads || parts == Index(units.size()) || stats) {
     // Decoding units of the query heads that share a kv head (GQA, MQA) with the same rows form
     // a group that one thread runs chunk by chunk (decodeKeys: about 1 MiB of k and v), each
     // chunk for every head of the group in turn: the chunk is read from memory once and from L2
@@ -571,17 +609,19 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
     }
     const Index groups = Index(groupStart.size());
     // Grouped only where the groups still give every thread work.
-    const bool grouped = groups < Index(units.size()) && groups >= threads;
+    const bool grouped = groups < Index(units.size()) && groups >= threads && !stats;
     if (grouped) groupStart.push_back(Index(units.size()));
     parallelFor(grouped ? groups : Index(units.size()), threads, [&](Index i) {
       auto& sc = Impl::threadScratch();
       if (!grouped || groupStart[size_t(i) + 1] - groupStart[size_t(i)] == 1) {
         const Unit& w = units[size_t(grouped ? groupStart[size_t(i)] : i)];
         if (fastUnit(w)) return;
-        slice(w, 0, sc.state, sc);
+        slice(w, 0, sc.state, sc, stats ? &sc.rows : nullptr);
         for (Index s = 1; s < w.splits; ++s) {
-          slice(w, s, sc.part, sc);
+          slice(w, s, sc.part, sc, stats ? &sc.partRows : nullptr);
           sc.state.merge(sc.part);
+          if (stats)
+            for (Index i = 0; i < w.rows; ++i) sc.rows[size_t(i)].merge(sc.partRows[size_t(i)]);
         }
         finish(w, sc.state);
         return;
