@@ -79,6 +79,52 @@ void BM_DecodeHeads(benchmark::State& state) {
     state.counters["xMHA"] = perCall / it->second;
 }
 
+std::map<std::vector<Index>, double>& columnMajorDecode() {
+  static std::map<std::vector<Index>, double> m;
+  return m;
+}
+
+/// Decoding from column-major (0) or row-major (1) storage of T, read in place either way;
+/// "xColumnMajor": the row-major call's time over the column-major one's in the same run.
+/// args: n_k, d, threads, rowMajor
+template <typename T>
+void BM_DecodeLayout(benchmark::State& state) {
+  const Index nK = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  std::srand(3);
+  using Col = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  using Row = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Col q = Eigen::MatrixXf::Random(1, d).cast<T>(), k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
+            v = Eigen::MatrixXf::Random(nK, d).cast<T>();
+  Eigen::MatrixXf out(1, d);
+  Eigen::VectorXf lse(1);
+  const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
+    sdpa::attentionForwardInto(qx, kx, vx, out, lse);
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) {
+      sdpa::attentionForwardInto(qx, kx, vx, out, lse);
+      benchmark::DoNotOptimize(out.data());
+    }
+    return timer.seconds();
+  };
+  double seconds = 0;
+  if (state.range(3)) {
+    const Row qr = q, kr = k, vr = v;
+    seconds = run(qr, kr, vr);
+  } else {
+    seconds = run(q, k, v);
+  }
+  if (state.iterations() == 0) return;
+  const double perCall = seconds / double(state.iterations());
+  const double bytes = 2.0 * double(nK) * double(d) * sizeof(T);
+  state.counters["GBps"] = bytes / perCall * 1e-9;
+  const std::vector<Index> key{nK, d, state.range(2), Index(sizeof(T))};
+  if (!state.range(3))
+    columnMajorDecode()[key] = perCall;
+  else if (auto it = columnMajorDecode().find(key); it != columnMajorDecode().end())
+    state.counters["xColumnMajor"] = perCall / it->second;
+}
+
 void BM_ReadBandwidth(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(sdpa_bench::readBandwidthGBs());
   state.counters["GBps"] = sdpa_bench::readBandwidthGBs();
@@ -103,6 +149,16 @@ BENCHMARK(BM_Decode<Eigen::bfloat16>)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+BENCHMARK(BM_DecodeLayout<float>)
+    ->ArgNames({"nk", "d", "threads", "rowMajor"})
+    ->ArgsProduct({{65536}, {128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeLayout<Eigen::half>)
+    ->ArgNames({"nk", "d", "threads", "rowMajor"})
+    ->ArgsProduct({{65536}, {128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeHeads)
     ->ArgNames({"nk", "H", "threads"})
     ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})

@@ -10,6 +10,9 @@
 // products run in OpenBLAS (its SGEMM is then also the "xSGEMM" ceiling).
 #include <sdpa/sdpa.hpp>
 
+#include <map>
+#include <vector>
+
 #include "common.hpp"
 
 namespace {
@@ -181,6 +184,49 @@ void BM_ForwardSink(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
+std::map<std::vector<Index>, double>& columnMajorSeconds() {
+  static std::map<std::vector<Index>, double> m;
+  return m;
+}
+
+/// Storage order: q, k, v column-major (0) or row-major (1, numpy's and PyTorch's layout, read in
+/// place), into preallocated outputs; "xColumnMajor" is the row-major call's time over the
+/// column-major one's of the same shape in the same run. Peak memory of either (one process per
+/// filter): `/usr/bin/time -v build/bench/bench/bench_forward --benchmark_filter=...`.
+/// args: n, d, threads, rowMajor
+void BM_ForwardLayout(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::MatrixXf out(n, d);
+  Eigen::VectorXf lse(n);
+  const auto run = [&](const auto& q, const auto& k, const auto& v) {
+    sdpa::attentionForwardInto(q, k, v, out, lse);
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) {
+      sdpa::attentionForwardInto(q, k, v, out, lse);
+      benchmark::DoNotOptimize(out.data());
+    }
+    return timer.seconds();
+  };
+  double seconds = 0;
+  if (state.range(3)) {
+    const RowMajor q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+    seconds = run(q, k, v);
+  } else {
+    const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+    seconds = run(q, k, v);
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), seconds, n, n, d);
+  if (state.iterations() == 0) return;
+  const std::vector<Index> key{n, d, state.range(2)};
+  const double perCall = seconds / double(state.iterations());
+  if (!state.range(3))
+    columnMajorSeconds()[key] = perCall;
+  else if (auto it = columnMajorSeconds().find(key); it != columnMajorSeconds().end())
+    state.counters["xColumnMajor"] = perCall / it->second;
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "d", "threads"});
   for (const Index n : {128, 512, 2048, 8192})
@@ -228,6 +274,11 @@ BENCHMARK(BM_ForwardCausal)
 BENCHMARK(BM_ForwardSink)
     ->ArgNames({"n", "d", "threads", "sink"})
     ->ArgsProduct({{1024, 4096, 16384}, {64, 128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardLayout)
+    ->ArgNames({"n", "d", "threads", "rowMajor"})
+    ->ArgsProduct({{4096, 16384}, {64, 128}, {1}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.

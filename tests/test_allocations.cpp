@@ -208,6 +208,29 @@ TEST_CASE("multi-head, GQA and batched calls into sized outputs allocate nothing
   }
 }
 
+TEMPLATE_TEST_CASE("row-major inputs are read in place: no copy, no allocation after the first call", "[alloc]", float,
+                   Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const OneThread one;
+  const Index H = 4, Hkv = 2, d = 32;
+  for (const Index nQ : {Index(1), Index(150)}) {
+    INFO("n_q " << nQ);
+    const RowMat q = randn<float>(nQ, H * d, 1).cast<T>(), k = randn<float>(2000, Hkv * d, 2).cast<T>(),
+                 v = randn<float>(2000, Hkv * d, 3).cast<T>();
+    // As numpy or PyTorch hand their buffers over.
+    const Eigen::Map<const RowMat> qm(q.data(), q.rows(), q.cols()), km(k.data(), k.rows(), k.cols()),
+        vm(v.data(), v.rows(), v.cols());
+    Mat<float> out(nQ, H * d), lse(nQ, H);
+    const auto call = [&] { sdpa::multiHeadAttentionForwardInto(qm, km, vm, Heads{H, Hkv}, out, lse); };
+    call();
+    CHECK(allocationsOf(call) == 0);  // a copy of any of them would allocate
+    const Mat<T> qc = q, kc = k, vc = v;
+    const auto col = sdpa::multiHeadAttentionForward<float>(qc, kc, vc, Heads{H, Hkv});
+    CHECK(maxAbsDiff(out, col.output) <= 1e-5);
+  }
+}
+
 TEMPLATE_TEST_CASE("half inputs into sized outputs allocate nothing after the first call", "[alloc][half]", Eigen::half,
                    Eigen::bfloat16) {
   using Hf = TestType;

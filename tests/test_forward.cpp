@@ -200,6 +200,53 @@ TEST_CASE("blocks, maps, row-major, fixed-size and expression inputs give identi
   CHECK(sdpa::attention(qf, kf, vf) == sdpa::attention(Mat<double>(qf), Mat<double>(kf), Mat<double>(vf)));
 }
 
+TEMPLATE_TEST_CASE("row-major q, k and v are read in place: the column-major result", "[forward][api][rowmajor]", float,
+                   double, Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  using Acc = sdpa::internal::Accumulator<T>;
+  using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const double eps = double(std::numeric_limits<Acc>::epsilon());
+  const Index H = 4, G = 2, dK = 24, dV = 16;
+  // Prefill (the fast kernel reads tiles of either order: the same bits for float and half
+  // inputs), and decoding over key splits (its products differ in order only).
+  for (const auto& [nQ, nK] : std::vector<std::pair<Index, Index>>{{70, 300}, {3, 5000}, {1, 777}}) {
+    INFO(nQ << " x " << nK);
+    const Mat<T> q = randn<double>(nQ, H * dK, 1).template cast<T>(),
+                 k = randn<double>(nK, G * dK, 2).template cast<T>(),
+                 v = randn<double>(nK, G * dV, 3).template cast<T>();
+    const RowMat qr = q, kr = k, vr = v;
+    const auto causal = sdpa::mask::Causal{Align::LowerRight};
+    const auto col = sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H, G}, sdpa::scale::InvSqrtDk{}, causal);
+    const auto row = sdpa::multiHeadAttentionForward(qr, kr, vr, sdpa::Heads{H, G}, sdpa::scale::InvSqrtDk{}, causal);
+    // Maps of row-major buffers, as numpy and PyTorch hand them over.
+    const Eigen::Map<const RowMat> qm(qr.data(), nQ, H * dK), km(kr.data(), nK, G * dK), vm(vr.data(), nK, G * dV);
+    const auto mapped =
+        sdpa::multiHeadAttentionForward(qm, km, vm, sdpa::Heads{H, G}, sdpa::scale::InvSqrtDk{}, causal);
+    CHECK(mapped.output == row.output);
+    if (nQ > 4 && !std::is_same_v<T, double>) {
+      CHECK(row.output == col.output);
+      CHECK(row.logSumExp == col.logSumExp);
+    } else {
+      // Sums of n_k terms in another order: each output within a few eps of the weighted mean's scale.
+      const Mat<double> a = row.output.template cast<double>(), b = col.output.template cast<double>();
+      const double tol = std::is_same_v<T, Acc> ? 16 * eps * std::sqrt(double(nK)) * maxAbs(v.template cast<double>())
+                                                : 2 * double(Eigen::NumTraits<T>::epsilon()) * maxAbs(b);
+      CHECK(maxAbsDiff(a, b) <= tol);
+      CHECK(maxAbsDiff(row.logSumExp.template cast<double>(), col.logSumExp.template cast<double>()) <=
+            16 * eps * std::sqrt(double(nK)) * 10);
+    }
+    // The single-head entry point and a head's block of the packed row-major inputs.
+    const auto one = sdpa::attentionForward(qr.leftCols(dK), kr.leftCols(dK), vr.leftCols(dV));
+    const auto oneCol = sdpa::attentionForward(q.leftCols(dK), k.leftCols(dK), v.leftCols(dV));
+    if (nQ > 4 && !std::is_same_v<T, double>)
+      CHECK(one.output == oneCol.output);
+    else
+      CHECK(maxAbsDiff(one.output.template cast<double>(), oneCol.output.template cast<double>()) <=
+            16 * eps * std::sqrt(double(nK)) * maxAbs(v.template cast<double>()) +
+                2 * double(Eigen::NumTraits<T>::epsilon()) * maxAbs(oneCol.output.template cast<double>()));
+  }
+}
+
 TEST_CASE("the named entry points are the policies they name  [seed C1]", "[forward][api]") {
   const Mat<double> q = randn<double>(4, 64, 1), k = randn<double>(6, 64, 2), v = randn<double>(6, 3, 3);
   CHECK(sdpa::scaledDotProductAttention(q, k, v) == sdpa::attention(q, k, v, sdpa::scale::InvSqrtDk{}));

@@ -185,9 +185,11 @@ void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<
     if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
       const std::vector<RowStats*> rows =
           sink ? startSink<Acc>(*sink, q, k, Heads{1}, q.cols(), scale) : std::vector<RowStats*>{};
-      forwardTiled<In, Out>(kern, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
-                            HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse,
-                            sink ? rows.data() : nullptr);
+      withInputViews<In>(q, k, v, [&](const auto& qv, const auto& kv, const auto& vv) {
+        forwardTiled<In, Out, std::decay_t<decltype(qv)>>(
+            kern, qv, kv, vv, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
+            HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse, sink ? rows.data() : nullptr);
+      });
     } else {
       forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, output, lse);
     }
@@ -223,8 +225,9 @@ inline void checkOutputShape(const char* where, const char* name, Index rows, In
  * \param scale a policy of sdpa::scale (default InvSqrtDk: tau = 1/sqrt(d_k))
  * \param mask  a mask of sdpa::mask (default None)
  * \param dropout attention dropout for training (default off)
- * \param sink  if not null, receives the per-row diagnostics of this pass (diagnostics.hpp);
- *              the rows need whole logit rows, so a sink runs the naive kernel.
+ * \param sink  if not null, receives the per-row diagnostics of this pass (diagnostics.hpp),
+ *              streamed by the tiled kernel beside its softmax (O(n_q) memory; the output is
+ *              bitwise that of the same call without a sink), read whole by the naive one.
  * \throws std::invalid_argument naming the shapes if q/k columns, k/v rows or the mask disagree.
  */
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,

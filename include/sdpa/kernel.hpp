@@ -16,8 +16,8 @@ namespace sdpa::kernel {
 /**
  * \brief The reference kernel: materialises the n_q x n_k logits of one head, a single-pass
  * softmax, then P v. Memory O(n_q n_k); serial. Kept as the oracle the tiled kernel is tested
- * against and for readers who want the textbook computation. The only kernel that feeds a
- * DiagnosticsSink (the row statistics need each row whole), so a sink selects it.
+ * against and for readers who want the textbook computation. A DiagnosticsSink reads its rows
+ * whole; the tiled kernel streams the same figures beside its online softmax.
  */
 struct Naive {
   static constexpr bool IsKernel = true;

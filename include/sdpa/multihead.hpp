@@ -159,8 +159,10 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
       const std::vector<RowStats*> rows =
           sink ? startSink<Acc>(*sink, q, k, heads, dims.dK, taus) : std::vector<RowStats*>{};
-      forwardTiled<In, Out>(kern, q, k, v, layout, heads, dims, taus, mask, dropout, out, lse,
-                            sink ? rows.data() : nullptr);
+      withInputViews<In>(q, k, v, [&](const auto& qv, const auto& kv, const auto& vv) {
+        forwardTiled<In, Out, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, layout, heads, dims, taus, mask, dropout,
+                                                          out, lse, sink ? rows.data() : nullptr);
+      });
     } else if constexpr (std::is_same_v<Out, Acc>) {
       multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                             mask, dropout, layout, out, lse, sink);
@@ -233,7 +235,7 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
  * \param mask  a mask of sdpa::mask; Keep and Bias may be n_q x n_k (all heads) or
  *              (H n_q) x n_k (one per head); Alibi needs H slopes.
  * \param dropout attention dropout (default off)
- * \param sink  if not null, receives the per-row diagnostics of every head (naive kernel)
+ * \param sink  if not null, receives the per-row diagnostics of every head (either kernel)
  */
 template <typename OutScalar = void, typename Kernel, typename DQ, typename DK, typename DV,
           typename Scale = scale::InvSqrtDk, typename Mask = mask::None,

@@ -72,6 +72,9 @@ enum TileFigure : int {
   kArgmax,
   kLaneFigures
 };
+/// softmaxTile's Stats: none, or a DiagnosticsSink's figures of a tile whose logits in range are
+/// all finite, or of any tile.
+enum : int { kNoStats, kStatsVisible, kStatsAny };
 
 namespace amx {
 constexpr Index kKeys = 32;   // keys (and value columns) per block of 2 x 2 tiles
@@ -165,12 +168,14 @@ float maxFiniteAbs(const Eigen::MatrixBase<D>& m, bool& allFinite) {
         top[w] = std::max(top[w], nonFinite ? std::uint16_t(0) : a);
         bad[w] = static_cast<std::uint16_t>(bad[w] | (nonFinite ? 1u : 0u));
       };
-      for (Index c = 0; c < m.cols(); ++c) {
+      // Columns of column-major storage, rows of row-major.
+      const Index inner = m.derived().innerSize();
+      for (Index c = 0; c < m.derived().outerSize(); ++c) {
         const S* col = m.derived().data() + c * m.derived().outerStride();
         Index i = 0;
-        for (; i + kWays <= m.rows(); i += kWays)
+        for (; i + kWays <= inner; i += kWays)
           for (int w = 0; w < kWays; ++w) visit(w, col[i + w]);
-        for (; i < m.rows(); ++i) visit(0, col[i]);
+        for (; i < inner; ++i) visit(0, col[i]);
       }
       for (int w = 1; w < kWays; ++w) {
         top[0] = std::max(top[0], top[w]);
@@ -362,8 +367,8 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
 /// the key range of each lane group in a partial tile.
 struct Scratch {
   Buffer<float> qT, sT, accT, max, sum, top, bad;
-  Buffer<float> pT, rawT, figures;  // a DiagnosticsSink's: weights apart from the logits, products
-  Buffer<double> laneStats;         // its lanes' running figures (addStats)
+  Buffer<float> rawT, figures;  // a DiagnosticsSink's: the products, a tile's figures
+  Buffer<double> laneStats;     // its lanes' running figures (addStats)
   Buffer<Index> keyBegin, keyEnd;
   Buffer<float> kTile, vTile;    // the fp32 kernel's k and v tiles, copied (forwardBlock)
   Buffer<std::uint32_t> qP, pP;  // the bf16 kernel's q^T and weights, in pairs
@@ -393,6 +398,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
 #if SDPA_HAS_ISA_DISPATCH
   using In = typename DK::Scalar;  // k and v's: what the products take
   constexpr bool Bf16 = !std::is_same_v<In, float>;
+  constexpr bool RowMajorK = bool(DK::Flags & Eigen::RowMajorBit) && DK::ColsAtCompileTime != 1;
+  constexpr bool RowMajorV = bool(DV::Flags & Eigen::RowMajorBit) && DV::ColsAtCompileTime != 1;
   static_assert(!Bf16 || std::is_same_v<In, Eigen::bfloat16> || std::is_same_v<In, Eigen::half>,
                 "the fast kernel takes float, bfloat16 or half k and v");
   auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
@@ -441,9 +448,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     }
   }
   float* sT = sc.sT.get(bk * lanes);
-  // With a sink the weights leave the logits in place for statsTile; the raw q.k is the
-  // product / (tau unit) where a softcap or a bias keeps it from being the logit / tau.
-  float* pT = stats ? sc.pT.get(bk * lanes) : sT;
+  // With a sink, the raw q.k is the product / (tau unit) where a softcap or a bias keeps it from
+  // being the logit / tau.
   const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
   float* rawT = rawNeeded ? sc.rawT.get(bk * lanes) : nullptr;
   float* figures = stats ? sc.figures.get(kTileFigures * lanes) : nullptr;
@@ -515,11 +521,21 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
         avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, bf->kLd, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
       }
     } else {
-      copyRows(k, j0, cols, kTile, ldt);
+      // Row-major k is read in place: each key's row is contiguous, the micro-tile's rows are
+      // separate streams (no shared L1 set at a power-of-two column stride to avoid).
+      const float* kt = kTile;
+      Index kRs = 1, kCs = ldt;
+      if constexpr (RowMajorK) {
+        kt = k.derived().data() + j0 * k.derived().rowStride();
+        kRs = k.derived().rowStride();
+        kCs = 1;
+      } else {
+        copyRows(k, j0, cols, kTile, ldt);
+      }
       if (isa >= Isa::Avx512)
-        avx512::logits(qT, lanes, dK, kTile, 1, ldt, {rb, re, cols}, sT, plain ? top : nullptr);
+        avx512::logits(qT, lanes, dK, kt, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
       else
-        avx2::logits(qT, lanes, dK, kTile, 1, ldt, {rb, re, cols}, sT, plain ? top : nullptr);
+        avx2::logits(qT, lanes, dK, kt, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
     }
     if (rawNeeded) std::copy(sT, sT + cols * lanes, rawT);
     // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
@@ -538,55 +554,63 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
     const bool checked = !bounds.bounded || t == mask::Tile::Partial;
     const float* tileMax = plain ? top : nullptr;
+    // A sink's figures: those the softmax cannot give first (the logits then become weights),
+    // the rest from inside the softmax's pass.
+    const int statsMode = !stats ? kNoStats : t == mask::Tile::Visible && !checked ? kStatsVisible : kStatsAny;
+    const float rawScale = 1.0f / (fold ? tau * unit : 1.0f);
     if (isa >= Isa::Avx512) {
+      if (stats)
+        avx512::statsBeforeSoftmax(sT, rawT, rawScale, lanes, {rb, re, cols}, tileMax, limit16, limit32, figures);
       if (base2)
-        avx512::softmaxTile<true>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTileWith<true>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
+                                      figures);
       else
-        avx512::softmaxTile<false>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx512::softmaxTileWith<false>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
+                                       figures);
+      if (stats) avx512::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
     } else {
+      if (stats)
+        avx2::statsBeforeSoftmax(sT, rawT, rawScale, lanes, {rb, re, cols}, tileMax, limit16, limit32, figures);
       if (base2)
-        avx2::softmaxTile<true>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
+        avx2::softmaxTileWith<true>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
+                                    figures);
       else
-        avx2::softmaxTile<false>(sT, pT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad);
-    }
-    if (stats) {
-      const float rawScale = 1.0f / (fold ? tau * unit : 1.0f);
-      const bool allVisible = t == mask::Tile::Visible && !checked;
-      if (isa >= Isa::Avx512) {
-        if (allVisible)
-          avx512::statsTile<true>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
-        else
-          avx512::statsTile<false>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
-        avx512::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
-      } else {
-        if (allVisible)
-          avx2::statsTile<true>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
-        else
-          avx2::statsTile<false>(sT, pT, rawT, rawScale, lanes, {rb, re, cols}, m, limit16, limit32, figures);
-        avx2::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
-      }
+        avx2::softmaxTileWith<false>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
+                                     figures);
+      if (stats) avx2::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
     }
     if constexpr (Bf16) {
       if (bf->vFinite[j0 / bk] != 0) {
         if (amx) {
-          avx512bf16::weightPairs(pT, lanes, {rb, re, cols}, pP, amx::kKeys);
+          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP, amx::kKeys);
           amx::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accT);
         } else {
-          avx512bf16::weightPairs(pT, lanes, {rb, re, cols}, pP);
+          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
           avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
         }
       } else {
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
-        valuesSkippingZeros(pT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);
+        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);
       }
     } else {
-      copyRows(v, j0, cols, vTile, ldt);
-      if (!allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt))))
-        valuesSkippingZeros(pT, lanes, bq, cols, rb, re, group, vTile, 1, ldt, dV, accT);
+      const float* vt = vTile;
+      Index vRs = 1, vCs = ldt;
+      bool finite = true;
+      if constexpr (RowMajorV) {  // read in place, as k
+        vt = v.derived().data() + j0 * v.derived().rowStride();
+        vRs = v.derived().rowStride();
+        vCs = 1;
+        finite = allFiniteVectorised(v.middleRows(j0, cols));
+      } else {
+        copyRows(v, j0, cols, vTile, ldt);
+        finite = allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt)));
+      }
+      if (!finite)
+        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, vt, vRs, vCs, dV, accT);
       else if (isa >= Isa::Avx512)
-        avx512::values(pT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
+        avx512::values(sT, lanes, {rb, re, cols}, vt, vRs, vCs, dV, accT);
       else
-        avx2::values(pT, lanes, {rb, re, cols}, vTile, 1, ldt, dV, accT);
+        avx2::values(sT, lanes, {rb, re, cols}, vt, vRs, vCs, dV, accT);
     }
   }
   // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.

@@ -170,6 +170,12 @@ inline TileSizes backwardTileSizes(const kernel::Tiled& kernel, Index, Index) {
   return t;
 }
 
+/// Whether D's columns are contiguous in memory (column-major storage, or a vector).
+template <typename D>
+struct ColumnsAre {
+  static constexpr bool contiguous = !(D::Flags & Eigen::RowMajorBit) || D::ColsAtCompileTime == 1;
+};
+
 /**
  * The tiled forward of one head: query blocks stream key blocks through an OnlineSoftmax.
  * `In` is the storage type of q, k, v (float, double, Eigen::half, Eigen::bfloat16); logits,
@@ -184,6 +190,7 @@ struct forward_tiled_impl {
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
     Buffer<Acc> logits, raw;                // a DiagnosticsSink's copies of a tile
+    Buffer<Acc> v2;                         // a decoding chunk of row-major half values
     OnlineSoftmax<Acc> state, part;         // part: a key split merged into state
     std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
     std::vector<RowStream> rows, partRows;  // a DiagnosticsSink's rows of the block (and of part)
@@ -206,6 +213,16 @@ struct forward_tiled_impl {
     }
   }
 
+  /// Rows [j0, j0 + rows) of a row-major half-precision k or v head block as a row-major Acc
+  /// matrix in buf: each row is contiguous, converted by halfToFloat (Eigen's cast of a
+  /// row-major half block to float runs an element at a time, 12x slower for decoding).
+  template <typename Block>
+  static auto rowMajorRowsAsAcc(const Block& x, Index j0, Index rows, Buffer<Acc>& buf) {
+    Eigen::Map<RowMajorMatrix<Acc>> m(buf.get(rows * x.cols()), rows, x.cols());
+    for (Index j = 0; j < rows; ++j) halfToFloat(&x.coeffRef(j0 + j, 0), &m(j, 0), x.cols());
+    return m;
+  }
+
   /// A column segment of k or v in Acc: itself, or converted into buf. A separate conversion
   /// pass is vectorised by Eigen 3.4 where a cast inside a larger expression is not (5x slower).
   template <typename Segment>
@@ -214,7 +231,10 @@ struct forward_tiled_impl {
       return x;
     } else {
       Eigen::Map<Vector<Acc>> m(buf.get(x.size()), x.size());
-      halfToFloat(x.data(), m.data(), x.size());
+      if (x.innerStride() == 1)
+        halfToFloat(x.data(), m.data(), x.size());
+      else
+        m = x.template cast<Acc>();  // a column of row-major storage
       return m;
     }
   }
@@ -260,8 +280,16 @@ struct forward_tiled_impl {
       if (t == mask::Tile::Hidden) continue;
       TileMap s(sc.s.get(bq * chunk), bq, cols);
       if (decode) {
-        const auto kChunk = k.middleRows(j0, cols);  // cols x d_k, each column contiguous
-        if constexpr (IsHalfScalar<In> && kFusedHalf) {
+        const auto kChunk = k.middleRows(j0, cols);  // cols x d_k, each column contiguous (or row)
+        if constexpr (IsHalfScalar<In> && !ColumnsAre<DK>::contiguous) {
+          // Row-major half storage: blocks of key rows converted (within L1/L2), each a
+          // matrix-vector product per query row.
+          for (Index b = 0; b < cols; b += kRowBlock) {
+            const Index n = std::min(kRowBlock, cols - b);
+            const auto kt = rowMajorRowsAsAcc(kChunk, b, n, sc.k);
+            for (Index r = 0; r < bq; ++r) s.row(r).segment(b, n).transpose().noalias() = kt * qs.row(r).transpose();
+          }
+        } else if constexpr (IsHalfScalar<In> && kFusedHalf) {
           s.setZero();
           const Index stride = k.derived().outerStride();
           for (Index r = 0; r < bq; ++r) {
@@ -317,7 +345,14 @@ struct forward_tiled_impl {
         const auto vChunk = v.middleRows(j0, cols);
         Eigen::Map<Vector<Acc>> dots(sc.v.get(dV), dV);
         for (Index r = 0; r < bq; ++r) {
-          if constexpr (IsHalfScalar<In> && kFusedHalf) {
+          if constexpr (IsHalfScalar<In> && !ColumnsAre<DV>::contiguous) {
+            // Row-major half storage: blocks of value rows converted, as k's.
+            dots.setZero();
+            for (Index b = 0; b < cols; b += kRowBlock) {
+              const Index n = std::min(kRowBlock, cols - b);
+              dots.transpose().noalias() += s.row(r).segment(b, n) * rowMajorRowsAsAcc(vChunk, b, n, sc.v2);
+            }
+          } else if constexpr (IsHalfScalar<In> && kFusedHalf) {
             const Index stride = v.derived().outerStride();
             Index c = 0;
             for (; c + 8 <= dV; c += 8)
@@ -345,6 +380,9 @@ struct forward_tiled_impl {
     }
   }
 
+  /// Key rows per block of row-major half storage converted for decoding (64 KiB of floats at
+  /// d = 128: in L2 beside the chunk).
+  static constexpr Index kRowBlock = 128;
   /// Query blocks of at most this many rows take the decoding path.
   static constexpr Index kDecodeRows = 4;
   /// Keys per decoding chunk: k and v of a chunk take about 1 MiB (within L2), so that the
@@ -354,6 +392,35 @@ struct forward_tiled_impl {
     const Index perKey = std::max<Index>(1, (dK + dV) * Index(sizeof(In)));
     return std::clamp<Index>((Index(1) << 20) / perKey / 64 * 64, 256, 16384);
   }
+};
+
+/// A row-major view of an input: binds row-major matrices, maps and blocks (numpy's and
+/// PyTorch's layout) without a copy.
+template <typename Scalar>
+using RowConstRef = Eigen::Ref<const RowMajorMatrix<Scalar>>;
+
+/// Whether an input is stored row by row (a matrix, not a vector).
+template <typename D>
+inline constexpr bool IsRowMajorInput =
+    bool(D::Flags& Eigen::RowMajorBit) && D::RowsAtCompileTime != 1 && D::ColsAtCompileTime != 1;
+
+/**
+ * f(q, k, v) on views the tiled forward reads in place: row-major views (RowConstRef) where all
+ * three are stored row by row, else column-major ones (ConstRef, which copies a row-major one).
+ * Either way no input is copied whole when the three share their storage order.
+ */
+template <typename In, typename DQ, typename DK, typename DV, typename F>
+void withInputViews(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                    F&& f) {
+  if constexpr (IsRowMajorInput<DQ> && IsRowMajorInput<DK> && IsRowMajorInput<DV>)
+    f(RowConstRef<In>(q), RowConstRef<In>(k), RowConstRef<In>(v));
+  else
+    f(ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v));
+}
+
+template <typename T>
+struct Identity {
+  using type = T;
 };
 
 /// Key splits of a work unit of `rows` query rows against nK keys: only decoding units (a few
@@ -374,15 +441,24 @@ inline Index keySplits(Index rows, Index nK, Index tileK) {
  * `stats` (null, or one pointer per query head to its (sum n_q) rows): a DiagnosticsSink's rows,
  * streamed with the online softmax and merged across key splits as the states are; decoding
  * units are then not grouped (the same arithmetic), and a head of tau = 0 takes the general
- * kernel (its raw q.k is a product of its own).
+ * kernel (its raw q.k is a product of its own). View: how q, k and v are read (withInputViews):
+ * ConstRef (column-major) or RowConstRef (row-major), both in place.
  */
-template <typename In, typename Out, typename Scale, typename Mask>
-void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const ConstRef<In>& k, const ConstRef<In>& v,
+template <typename In, typename Out, typename View = ConstRef<In>, typename Scale, typename Mask>
+void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::type& q,
+                  const typename Identity<View>::type& k, const typename Identity<View>::type& v,
                   const BatchLayout& layout, const Heads& heads, const HeadDims& dims, const Scale& scale,
                   const Mask& mask, const Dropout& dropout, Eigen::Ref<Matrix<Out>> out,
                   Eigen::Ref<Matrix<Accumulator<In>>> lse, RowStats* const* stats = nullptr) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
+  if constexpr (!std::is_same_v<View, ConstRef<In>>) {
+    if (dims.dK == 0 || dims.dV == 0) {  // no data to read in place: the column-major route
+      forwardTiled<In, Out>(kernel, ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v), layout, heads, dims, scale, mask,
+                            dropout, out, lse, stats);
+      return;
+    }
+  }
   if (dims.dK == 0 || dims.dV == 0) {
     // A matrix without columns has no data, and an Eigen block of it at a row offset computes
     // null + offset (undefined behaviour). Run with one zero column instead: every logit is
@@ -398,8 +474,9 @@ void forwardTiled(const kernel::Tiled& kernel, const ConstRef<In>& q, const Cons
       v1.setZero(v.rows(), heads.keyValue);
       out1.resize(out.rows(), heads.query);
     }
-    forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : q, dims.dK == 0 ? ConstRef<In>(k1) : k,
-                          dims.dV == 0 ? ConstRef<In>(v1) : v, layout, heads,
+    forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : ConstRef<In>(q),
+                          dims.dK == 0 ? ConstRef<In>(k1) : ConstRef<In>(k),
+                          dims.dV == 0 ? ConstRef<In>(v1) : ConstRef<In>(v), layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
                           dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse, stats);
     return;
