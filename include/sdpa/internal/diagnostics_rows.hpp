@@ -258,12 +258,11 @@ template <typename D>
 Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVectorXd& mean) {
   using Acc = Accumulator<typename D::Scalar>;
   constexpr Index kRows = 256;
-  const Eigen::Matrix<Acc, 1, Eigen::Dynamic> centre = mean.template cast<Acc>();
   Eigen::MatrixXd g = Eigen::MatrixXd::Zero(x.cols(), x.cols());
   Matrix<Acc> block, part(x.cols(), x.cols());
   for (Index i0 = 0; i0 < x.rows(); i0 += kRows) {
     const Index rows = std::min(kRows, x.rows() - i0);
-    block = x.middleRows(i0, rows).template cast<Acc>().rowwise() - centre;
+    block = x.middleRows(i0, rows).template cast<Acc>().rowwise() - mean.template cast<Acc>();
     part.setZero();
     part.template selfadjointView<Eigen::Lower>().rankUpdate(block.transpose());
     g += part.template cast<double>();
