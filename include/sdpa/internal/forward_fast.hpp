@@ -48,9 +48,9 @@ namespace fast {
 /// kExpCut in units of ln 2: 2^x at or below it is exactly 0, as exp at or below kExpCut.
 constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
 
-/// The figures statsTile writes per lane (a DiagnosticsSink's TileSums; kBelow: the largest
-/// logit under the maximum, kArg: the tile's first key at it), and after them the two more a
-/// lane keeps (addStats).
+/// The figures softmaxTile (its Stats) and statsBeforeSoftmax write per lane (a DiagnosticsSink's
+/// TileSums; kBelow: the largest logit under the maximum, kArg: the tile's first key at it), and
+/// after them the two more a lane keeps (addStats).
 enum TileFigure : int {
   kVisible,
   kSum,
