@@ -133,6 +133,80 @@ template <int G, typename H>
 void dotColumnsHalf(const float*, const H*, Index, Index, float*) {}
 #endif
 
+/**
+ * Decoding's logits for R query rows over n keys of column-major float k (column stride ldk):
+ * s[r][j] += sum_c a[r][c] k[j + c ldk], by one fused multiply-add per column in the order
+ * c = 0..d-1 for every (row, key), whatever R and whichever rows share a pass. So a query head's
+ * logits are the same computed alone or beside the other heads of its GQA group, which then
+ * read each block of k once for up to four rows: a column block (8 columns) of a packet of keys
+ * is loaded once, each row's partial sums stay in a register across it.
+ */
+inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Index ldk, Index d, Index n,
+                             float* const* s) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size, kRows = 4, kCols = 8;
+  for (Index r0 = 0; r0 < R; r0 += kRows) {
+    const Index rows = std::min(kRows, R - r0);
+    for (Index c0 = 0; c0 < d; c0 += kCols) {
+      const Index c1 = std::min(d, c0 + kCols);
+      Index j = 0;
+      for (; j + W <= n; j += W) {
+        Packet acc[kRows];
+        for (Index m = 0; m < rows; ++m) acc[m] = ei::ploadu<Packet>(s[r0 + m] + j);
+        for (Index c = c0; c < c1; ++c) {
+          const Packet kc = ei::ploadu<Packet>(k + j + c * ldk);
+          for (Index m = 0; m < rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(a[r0 + m][c]), kc, acc[m]);
+        }
+        for (Index m = 0; m < rows; ++m) ei::pstoreu(s[r0 + m] + j, acc[m]);
+      }
+      for (; j < n; ++j)
+        for (Index m = 0; m < rows; ++m) {
+          float t = s[r0 + m][j];
+          for (Index c = c0; c < c1; ++c) t = std::fma(a[r0 + m][c], k[j + c * ldk], t);
+          s[r0 + m][j] = t;
+        }
+    }
+  }
+}
+
+/**
+ * Decoding's weighted values for R rows of weights p over n keys of column-major float v (column
+ * stride ldv): dots[r][c] = sum_j p[r][j] v[j + c ldv], each a packet of partial sums over the
+ * keys in order, reduced, then the last keys one by one: whatever R, as decodeLogitsRows. A
+ * packet of each of four columns is loaded once for up to four rows.
+ */
+inline void decodeValuesRows(const float* const* p, Index R, const float* v, Index ldv, Index dV, Index n,
+                             float* const* dots) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size, kRows = 4, kCols = 4;
+  const Index whole = n / W * W;
+  for (Index r0 = 0; r0 < R; r0 += kRows) {
+    const Index rows = std::min(kRows, R - r0);
+    for (Index c0 = 0; c0 < dV; c0 += kCols) {
+      const Index cols = std::min(kCols, dV - c0);
+      Packet acc[kRows][kCols];
+      for (Index m = 0; m < rows; ++m)
+        for (Index c = 0; c < cols; ++c) acc[m][c] = ei::pset1<Packet>(0.0f);
+      for (Index j = 0; j < whole; j += W) {
+        Packet pm[kRows];
+        for (Index m = 0; m < rows; ++m) pm[m] = ei::ploadu<Packet>(p[r0 + m] + j);
+        for (Index c = 0; c < cols; ++c) {
+          const Packet vc = ei::ploadu<Packet>(v + j + (c0 + c) * ldv);
+          for (Index m = 0; m < rows; ++m) acc[m][c] = ei::pmadd(pm[m], vc, acc[m][c]);
+        }
+      }
+      for (Index m = 0; m < rows; ++m)
+        for (Index c = 0; c < cols; ++c) {
+          float t = ei::predux(acc[m][c]);
+          for (Index j = whole; j < n; ++j) t = std::fma(p[r0 + m][j], v[j + (c0 + c) * ldv], t);
+          dots[r0 + m][c0 + c] = t;
+        }
+    }
+  }
+}
+
 /// Query rows and keys per tile.
 struct TileSizes {
   Index q, k;
@@ -194,6 +268,9 @@ struct forward_tiled_impl {
     OnlineSoftmax<Acc> state, part;         // part: a key split merged into state
     std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
     std::vector<RowStream> rows, partRows;  // a DiagnosticsSink's rows of the block (and of part)
+    std::vector<const Acc*> rowsA;          // streamDecode's rows of q, then of the weights
+    std::vector<Acc*> rowsS, rowsD;         // its rows of logits and of weighted values
+    std::vector<char> active;               // its heads that see the chunk
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -239,6 +316,134 @@ struct forward_tiled_impl {
     }
   }
 
+  /// One query head of streamDecode: its block of q (the item's n_q x d_k), scale, place in the
+  /// packed batch (as stream's head, row0, col0), state and the sink's rows (or null).
+  template <typename DQ, typename Scale>
+  struct Member {
+    DQ q;
+    const Scale* scale;
+    Index head, row0, col0;
+    OnlineSoftmax<Acc>* state;
+    RowStream* stats;
+  };
+
+  /**
+   * stream's decoding (bq <= kDecodeRows rows) over keys [kBegin, kEnd) for float k and v in
+   * column-major storage, for `count` query heads with the same rows [i0, i0 + bq) of one item
+   * that read the same k and v (a GQA group, or one head): each chunk's products for all their
+   * rows at once (decodeLogitsRows, decodeValuesRows: each column block of k and v loaded once
+   * for four rows), scale, mask and softmax per head as stream. A head's result is the same in a
+   * group as alone, to the bit.
+   */
+  template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+  static void streamDecode(const Member<DQ, Scale>* members, Index count, const Eigen::MatrixBase<DK>& k,
+                           const Eigen::MatrixBase<DV>& v, const Mask& mask, const Dropout& dropout, Index i0, Index bq,
+                           Index kBegin, Index kEnd, Scratch& sc, bool resume) {
+    const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), chunk = decodeKeys(dK, dV);
+    const Index ldk = k.derived().outerStride(), ldv = v.derived().outerStride();
+    Acc* qsAll = sc.qs.get(count * bq * dK);
+    Acc* sAll = sc.s.get(count * bq * chunk);
+    Acc* dotsAll = sc.v.get(count * bq * dV);
+    sc.rowsA.resize(size_t(count * bq));
+    sc.rowsS.resize(size_t(count * bq));
+    sc.rowsD.resize(size_t(count * bq));
+    sc.active.resize(size_t(count));
+    // qs = tau q per head, as stream's.
+    for (Index m = 0; m < count; ++m) {
+      const auto& u = members[m];
+      if (!resume) u.state->start(bq, dV);
+      const Acc tau = u.scale->template value<Acc>(dK);
+      const bool fold = foldsScaleIntoQuery(tau) && !(u.stats && tau == Acc(0));
+      TileMap qs(qsAll + m * bq * dK, bq, dK);
+      for (Index c = 0; c < dK; ++c) {
+        const auto column = u.q.col(c).segment(i0, bq).template cast<Acc>();
+        if (tau == Acc(1) || !fold)
+          qs.col(c) = column;
+        else
+          qs.col(c) = tau * column;
+      }
+    }
+    for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
+      const Index cols = std::min(chunk, kEnd - j0);
+      Index R = 0;
+      for (Index m = 0; m < count; ++m) {
+        const auto& u = members[m];
+        const mask::Tile t =
+            Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, u.q.rows(), nK, u.head);
+        sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
+        if (t == mask::Tile::Hidden) continue;
+        TileMap s(sAll + m * bq * chunk, bq, cols);
+        s.setZero();
+        for (Index r = 0; r < bq; ++r, ++R) {
+          sc.rowsA[size_t(R)] = qsAll + (m * bq + r) * dK;
+          sc.rowsS[size_t(R)] = &s(r, 0);
+        }
+      }
+      if (R == 0) continue;
+      decodeLogitsRows(sc.rowsA.data(), R, k.derived().data() + j0, ldk, dK, cols, sc.rowsS.data());
+      R = 0;
+      for (Index m = 0; m < count; ++m) {
+        if (!sc.active[size_t(m)]) continue;
+        const auto& u = members[m];
+        TileMap s(sAll + m * bq * chunk, bq, cols);
+        const Acc tau = u.scale->template value<Acc>(dK);
+        absorbChunk(s, tau, foldsScaleIntoQuery(tau) && !(u.stats && tau == Acc(0)), sc.active[size_t(m)] == 2, mask,
+                    dropout, u.q.rows(), nK, u.head, u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
+        for (Index r = 0; r < bq; ++r, ++R) {
+          sc.rowsA[size_t(R)] = &s(r, 0);
+          sc.rowsD[size_t(R)] = dotsAll + (m * bq + r) * dV;
+        }
+      }
+      decodeValuesRows(sc.rowsA.data(), R, v.derived().data() + j0, ldv, dV, cols, sc.rowsD.data());
+      for (Index m = 0; m < count; ++m) {
+        if (!sc.active[size_t(m)]) continue;
+        TileMap s(sAll + m * bq * chunk, bq, cols);
+        auto acc = members[m].state->acc();
+        for (Index r = 0; r < bq; ++r) {
+          const Acc* dots = dotsAll + (m * bq + r) * dV;
+          for (Index c = 0; c < dV; ++c)
+            acc(r, c) += std::isfinite(dots[c]) ? dots[c] : dotSkippingZeros(s.row(r), v.col(c).segment(j0, cols));
+        }
+      }
+    }
+  }
+
+  /// sum_j p_j x_j over the j with p_j != 0: a value of weight 0 has no effect even if it is NaN
+  /// or inf (0 * inf = NaN). Only a dot that came out non-finite pays for it.
+  template <typename P, typename X>
+  static Acc dotSkippingZeros(const P& p, const X& x) {
+    return (p.transpose().array() == Acc(0)).select(Acc(0), p.transpose().array() * x.array()).sum();
+  }
+
+  /**
+   * The steps of a tile between its products, as stream takes them: the raw q.k kept for a sink,
+   * the scale where it was not folded into q, the mask where the tile is partial, the sink's
+   * copy of the logits, the online softmax (s becomes the weights), the sink's figures and the
+   * dropout.
+   */
+  template <typename Mask>
+  static void absorbChunk(TileMap s, Acc tau, bool fold, bool partial, const Mask& mask, const Dropout& dropout,
+                          Index nQ, Index nK, Index head, Index row0, Index col0, Index i0, Index j0,
+                          OnlineSoftmax<Acc>& state, Scratch& sc, RowStream* stats) {
+    const Index bq = s.rows(), cols = s.cols();
+    const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
+    TileMap raw(rawNeeded ? sc.raw.get(bq * cols) : nullptr, bq, rawNeeded ? cols : 0);
+    if (rawNeeded) raw = s;
+    if (!fold) s *= tau;
+    if (partial) mask.apply(s, i0, j0, nQ, nK, head);
+    TileMap logits(stats ? sc.logits.get(bq * cols) : nullptr, bq, stats ? cols : 0);
+    if (stats) logits = s;
+    // Masked tiles hold -inf; so may any tile whose k holds inf (q k^T = -inf), which only the
+    // logits themselves reveal without another pass over k: every tile takes the select.
+    state.absorb(s);
+    if (stats)
+      for (Index r = 0; r < bq; ++r)
+        stats[r].add(tileRowSums(&logits(r, 0), &s(r, 0), rawNeeded ? &raw(r, 0) : nullptr,
+                                 fold ? Acc(1) / tau : Acc(1), cols, state.max()(r), j0),
+                     double(state.max()(r)), 1.0);
+    if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
+  }
+
   /**
    * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v) against keys
    * [kBegin, kEnd) in tiles of bk: leaves the unnormalised state in `state`. (row0, col0) place
@@ -250,6 +455,13 @@ struct forward_tiled_impl {
                      const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
                      Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
                      bool resume = false, RowStream* stats = nullptr) {
+    if constexpr (std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous) {
+      if (bq <= kDecodeRows) {  // float decoding: the GQA group's kernel, on one head
+        const Member<DQ, Scale> one{q.derived(), &scale, head, row0, col0, &state, stats};
+        streamDecode(&one, 1, k, v, mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
+        return;
+      }
+    }
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     if (!resume) state.start(bq, dV);
     // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
@@ -710,13 +922,32 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
       const Index chunk = Impl::decodeKeys(dims.dK, dims.dV);
       for (Index s = 0; s < lead.splits; ++s) {
         const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
-        Index j0 = kBegin;
-        do {  // once for an empty split: its states start, empty
-          const Index j1 = std::min(j0 + chunk, kEnd);
-          for (Index m = 0; m < members; ++m)
-            streamKeys(units[size_t(first + m)], j0, j1, sc.group[size_t(s == 0 ? m : members + m)], sc, j0 != kBegin);
-          j0 = j1;
-        } while (j0 < kEnd);
+        if constexpr (std::is_same_v<In, float> && std::is_same_v<View, ConstRef<In>>) {
+          // Float in column-major storage: the group's products in one pass over each chunk
+          // (streamDecode), the same per head as alone.
+          const ItemHead& lu = pairs[size_t(lead.pair)];
+          using QBlock = decltype(q.block(0, 0, 1, 1));
+          using HeadScale = std::decay_t<decltype(headScale(scale, 0))>;
+          thread_local std::vector<typename Impl::template Member<QBlock, HeadScale>> group;
+          group.clear();
+          for (Index m = 0; m < members; ++m) {
+            const ItemHead& u = pairs[size_t(units[size_t(first + m)].pair)];
+            group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), &headScale(scale, u.head), u.head, u.q0,
+                             u.k0, &sc.group[size_t(s == 0 ? m : members + m)], nullptr});
+          }
+          Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, dims.dK),
+                             v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, dims.dV), itemMask(mask, lu), dropout, lead.i0,
+                             lead.rows, kBegin, kEnd, sc, false);
+        } else {
+          Index j0 = kBegin;
+          do {  // once for an empty split: its states start, empty
+            const Index j1 = std::min(j0 + chunk, kEnd);
+            for (Index m = 0; m < members; ++m)
+              streamKeys(units[size_t(first + m)], j0, j1, sc.group[size_t(s == 0 ? m : members + m)], sc,
+                         j0 != kBegin);
+            j0 = j1;
+          } while (j0 < kEnd);
+        }
         if (s > 0)
           for (Index m = 0; m < members; ++m) sc.group[size_t(m)].merge(sc.group[size_t(members + m)]);
       }
