@@ -353,15 +353,7 @@ struct forward_tiled_impl {
       const auto& u = members[m];
       if (!resume) u.state->start(bq, dV);
       const Acc tau = u.scale->template value<Acc>(dK);
-      const bool fold = foldsScaleIntoQuery(tau) && !(u.stats && tau == Acc(0));
-      TileMap qs(qsAll + m * bq * dK, bq, dK);
-      for (Index c = 0; c < dK; ++c) {
-        const auto column = u.q.col(c).segment(i0, bq).template cast<Acc>();
-        if (tau == Acc(1) || !fold)
-          qs.col(c) = column;
-        else
-          qs.col(c) = tau * column;
-      }
+      scaledQuery(u.q, i0, tau, folds(tau, u.stats), TileMap(qsAll + m * bq * dK, bq, dK));
     }
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
@@ -387,8 +379,8 @@ struct forward_tiled_impl {
         const auto& u = members[m];
         TileMap s(sAll + m * bq * chunk, bq, cols);
         const Acc tau = u.scale->template value<Acc>(dK);
-        absorbChunk(s, tau, foldsScaleIntoQuery(tau) && !(u.stats && tau == Acc(0)), sc.active[size_t(m)] == 2, mask,
-                    dropout, u.q.rows(), nK, u.head, u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
+        absorbChunk(s, tau, folds(tau, u.stats), sc.active[size_t(m)] == 2, mask, dropout, u.q.rows(), nK, u.head,
+                    u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
         for (Index r = 0; r < bq; ++r, ++R) {
           sc.rowsA[size_t(R)] = &s(r, 0);
           sc.rowsD[size_t(R)] = dotsAll + (m * bq + r) * dV;
@@ -405,6 +397,27 @@ struct forward_tiled_impl {
             acc(r, c) += std::isfinite(dots[c]) ? dots[c] : dotSkippingZeros(s.row(r), v.col(c).segment(j0, cols));
         }
       }
+    }
+  }
+
+  /// Whether tau is folded into the query block (foldsScaleIntoQuery), but not a tau of 0 with a
+  /// sink, whose raw q.k needs the product before the scale.
+  static bool folds(Acc tau, const RowStream* stats) { return foldsScaleIntoQuery(tau) && !(stats && tau == Acc(0)); }
+
+  /**
+   * qs (b_q x d_k) = tau q rows [i0, i0 + b_q) where `fold`, else those rows: the scale folded into
+   * the query block once, so that every policy costs one b_q x d_k multiply and None none.
+   * Copied column by column: q is column-major (columns n_q apart), and a walk in qs's row order
+   * touched a page per element (3%).
+   */
+  template <typename DQ>
+  static void scaledQuery(const Eigen::MatrixBase<DQ>& q, Index i0, Acc tau, bool fold, TileMap qs) {
+    for (Index c = 0; c < qs.cols(); ++c) {
+      const auto column = q.col(c).segment(i0, qs.rows()).template cast<Acc>();
+      if (tau == Acc(1) || !fold)
+        qs.col(c) = column;
+      else
+        qs.col(c) = tau * column;
     }
   }
 
@@ -464,23 +477,11 @@ struct forward_tiled_impl {
     }
     const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
     if (!resume) state.start(bq, dV);
-    // qs = tau q (b_q x d_k): the scale folded into the query block once, so that every policy
-    // costs one b_q x d_k multiply and None none; only where foldsScaleIntoQuery, else the logits
-    // are multiplied after the product. Copied column by column: q is column-major (columns n_q
-    // apart), and a walk in qs's row order touched a page per element (3%).
+    // qs = tau q where folded; else the logits are multiplied after the product.
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
     const Acc tau = scale.template value<Acc>(dK);
-    // The diagnostics' raw q.k where it is not the logit / tau: the product before the scale (a
-    // scale of 0 folded into q would leave nothing of it).
-    const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
-    const bool fold = foldsScaleIntoQuery(tau) && !(stats && tau == Acc(0));
-    for (Index c = 0; c < dK; ++c) {
-      const auto column = q.col(c).segment(i0, bq).template cast<Acc>();
-      if (tau == Acc(1) || !fold)
-        qs.col(c) = column;
-      else
-        qs.col(c) = tau * column;
-    }
+    const bool fold = folds(tau, stats);
+    scaledQuery(q, i0, tau, fold, qs);
     // Decoding (a few query rows): chunks of many keys, the products written column by column
     // so that each column of k and v streams contiguously from memory (a b_k x d tile would
     // read d short segments d_k pages apart) and half storage converts in registers.
@@ -534,21 +535,8 @@ struct forward_tiled_impl {
         const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
         s.noalias() = qs * kt.transpose();  // b_q x b_k logits
       }
-      TileMap raw(rawNeeded ? sc.raw.get(bq * chunk) : nullptr, bq, rawNeeded ? cols : 0);
-      if (rawNeeded) raw = s;
-      if (!fold) s *= tau;
-      if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
-      TileMap logits(stats ? sc.logits.get(bq * chunk) : nullptr, bq, stats ? cols : 0);
-      if (stats) logits = s;
-      // Masked tiles hold -inf; so may any tile whose k holds inf (q k^T = -inf), which only
-      // the logits themselves reveal without another pass over k: every tile takes the select.
-      state.absorb(s);
-      if (stats)
-        for (Index r = 0; r < bq; ++r)
-          stats[r].add(tileRowSums(&logits(r, 0), &s(r, 0), rawNeeded ? &raw(r, 0) : nullptr,
-                                   fold ? Acc(1) / tau : Acc(1), cols, state.max()(r), j0),
-                       double(state.max()(r)), 1.0);
-      if (dropout.enabled()) applyDropout(s, dropout, head, row0 + i0, col0 + j0);
+      absorbChunk(s, tau, fold, t == mask::Tile::Partial, mask, dropout, nQ, nK, head, row0, col0, i0, j0, state, sc,
+                  stats);
       auto acc = state.acc();
       if (decode) {
         // dots[c] = s_r . v_c for every value column, then the guard: a value of weight 0 must
@@ -576,12 +564,7 @@ struct forward_tiled_impl {
             for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
           }
           for (Index c = 0; c < dV; ++c) {
-            if (!std::isfinite(dots(c))) {
-              const auto vc = columnAsAcc(vChunk.col(c), sc.k);
-              dots(c) = (s.row(r).transpose().array() == Acc(0))
-                            .select(Acc(0), s.row(r).transpose().array() * vc.array())
-                            .sum();
-            }
+            if (!std::isfinite(dots(c))) dots(c) = dotSkippingZeros(s.row(r), columnAsAcc(vChunk.col(c), sc.k));
             acc(r, c) += dots(c);
           }
         }
