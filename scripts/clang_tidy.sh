@@ -10,11 +10,11 @@ build=${1:-build/tidy}
 cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_EXPORT_COMPILE_COMMANDS=ON \
   -DSDPA_BUILD_BENCHMARKS=OFF -DSDPA_OPENMP=ON -DSDPA_CLANG_NO_OPENMP_OPT=OFF >/dev/null
 # The examples and the tool use the public API as a consumer does (forward, multi-head, backward,
-# learnable scales, diagnostics, the tiled and naive kernels); test_threads.cpp adds batched GQA,
-# decoding and the multi-head backward. (Every test file: about 10 minutes; these: about 1.)
+# learnable scales, diagnostics, the tiled and naive kernels, the KV cache); test_threads.cpp adds
+# batched GQA, decoding and the multi-head backward. (Every test file: about 10 minutes; these: about 1.)
 # test_threads.cpp first: it takes as long as three of the others, and xargs -P 2 starts in order.
 files=(tests/test_threads.cpp examples/scaling_demo.cpp examples/multi_head.cpp examples/learn_temperature.cpp
-       examples/long_sequence.cpp tools/sdpa_check.cpp)
+       examples/long_sequence.cpp examples/decode_loop.cpp tools/sdpa_check.cpp)
 printf 'clang-tidy on %d files, headers of include/sdpa only\n' "${#files[@]}"
 tidy=$(command -v clang-tidy || command -v clang-tidy-14)
 log=$(mktemp)

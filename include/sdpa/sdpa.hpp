@@ -11,6 +11,7 @@
 #include "dropout.hpp"
 #include "forward.hpp"
 #include "kernel.hpp"
+#include "kv_cache.hpp"
 #include "layout.hpp"
 #include "mask.hpp"
 #include "multihead.hpp"

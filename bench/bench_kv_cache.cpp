@@ -1,0 +1,202 @@
+// Decoding from a KvCache (issue #19): one token (or a few) against n_k cached positions, by
+// storage (fp32, fp16, bf16, q8, q4), mode (contiguous, paged blocks) and head layout (GQA).
+// Memory-bound: "GBps" is the cache's bytes read per second (k and v once per kv head, at the
+// storage's bytes per value), "xReadBandwidth" its ratio to the single-thread read bandwidth
+// measured in the same run, "xFloat" the speed-up over the fp32 cache of the same shape in the
+// same run, "xContiguous" a paged cache's time over the contiguous cache's, "xMHA" GQA's time over
+// 8-head MHA's over the same K/V, "xOneRow" n_q rows' time over one row's.
+//
+//   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_kv_cache
+#include <sdpa/kv_cache.hpp>
+
+#include <map>
+#include <string>
+
+#include "common.hpp"
+
+namespace {
+
+using sdpa_bench::Index;
+
+std::map<std::vector<Index>, double>& seconds(const std::string& table) {
+  static std::map<std::string, std::map<std::vector<Index>, double>> m;
+  return m[table];
+}
+
+template <typename Storage>
+double bytesPerValue() {
+  if constexpr (std::is_same_v<Storage, sdpa::kv::Q8>)
+    return 34.0 / 32.0;
+  else if constexpr (std::is_same_v<Storage, sdpa::kv::Q4>)
+    return 18.0 / 32.0;
+  else
+    return double(sizeof(Storage));
+}
+
+template <typename Storage>
+sdpa::KvCache<Storage> filled(Index nK, Index Hkv, Index d, Index blockRows) {
+  std::srand(3);
+  auto cache = blockRows ? sdpa::KvCache<Storage>::paged({Hkv, d, d}, blockRows, (nK + blockRows - 1) / blockRows)
+                         : sdpa::KvCache<Storage>::contiguous({Hkv, d, d}, nK);
+  const Index seq = blockRows ? cache.addSequence() : 0;
+  for (Index i = 0; i < nK; i += 4096) {
+    const Index n = std::min<Index>(4096, nK - i);
+    cache.append(seq, Eigen::MatrixXf::Random(n, Hkv * d), Eigen::MatrixXf::Random(n, Hkv * d));
+  }
+  return cache;
+}
+
+/// Times cachedAttentionForwardInto of n_q rows of H query heads; returns seconds per call.
+template <typename Storage>
+double timeDecode(benchmark::State& state, const sdpa::KvCache<Storage>& cache, Index seq, Index nQ, Index H) {
+  const Index d = cache.shape().dK;
+  std::srand(5);
+  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(nQ, H * d);
+  Eigen::MatrixXf out(nQ, H * d), lse(nQ, H);
+  const sdpa::Heads heads{H, cache.shape().kvHeads};
+  const auto mask = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
+  sdpa::cachedAttentionForwardInto(q, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask, out, lse);
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    sdpa::cachedAttentionForwardInto(q, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask, out, lse);
+    benchmark::DoNotOptimize(out.data());
+  }
+  return state.iterations() ? timer.seconds() / double(state.iterations()) : 0.0;
+}
+
+/// One token, one head, contiguous cache. args: n_k, d, threads
+template <typename Storage>
+void BM_CacheDecode(benchmark::State& state) {
+  const Index nK = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  const auto cache = filled<Storage>(nK, 1, d, 0);
+  const double perCall = timeDecode(state, cache, 0, 1, 1);
+  if (perCall == 0) return;
+  const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
+  state.counters["GBps"] = bytes / perCall * 1e-9;
+  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
+  const std::vector<Index> key{nK, d, state.range(2)};
+  if constexpr (std::is_same_v<Storage, float>)
+    seconds("float")[key] = perCall;
+  else if (auto it = seconds("float").find(key); it != seconds("float").end())
+    state.counters["xFloat"] = it->second / perCall;
+}
+
+/// One token, one head, paged cache of `blockRows`; "xContiguous" over BM_CacheDecode's time of
+/// the same storage and shape. args: n_k, d, blockRows
+template <typename Storage>
+void BM_CachePaged(benchmark::State& state) {
+  const Index nK = state.range(0), d = state.range(1), B = state.range(2);
+  sdpa_bench::setThreads(1);
+  const std::string table = "paged" + std::to_string(sizeof(Storage));
+  const std::vector<Index> key{nK, d};
+  if (B == 0) {
+    const auto cache = filled<Storage>(nK, 1, d, 0);
+    seconds(table)[key] = timeDecode(state, cache, 0, 1, 1);
+    return;
+  }
+  const auto cache = filled<Storage>(nK, 1, d, B);
+  const double perCall = timeDecode(state, cache, 0, 1, 1);
+  if (perCall == 0) return;
+  state.counters["GBps"] = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>() / perCall * 1e-9;
+  if (auto it = seconds(table).find(key); it != seconds(table).end())
+    state.counters["xContiguous"] = perCall / it->second;
+}
+
+/// GQA: Heads{H, 8} against Heads{8} over the same fp32 cache of 8 kv heads, d 128.
+/// args: n_k, H, threads
+void BM_CacheHeads(benchmark::State& state) {
+  const Index nK = state.range(0), H = state.range(1), Hkv = 8, d = 128;
+  sdpa_bench::setThreads(int(state.range(2)));
+  const auto cache = filled<float>(nK, Hkv, d, 0);
+  const double perCall = timeDecode(state, cache, 0, 1, H);
+  if (perCall == 0) return;
+  state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * sizeof(float) / perCall * 1e-9;
+  const std::vector<Index> key{nK, state.range(2)};
+  if (H == Hkv)
+    seconds("mha")[key] = perCall;
+  else if (auto it = seconds("mha").find(key); it != seconds("mha").end())
+    state.counters["xMHA"] = perCall / it->second;
+}
+
+/// Multi-token decoding: n_q rows (speculative decoding's drafts) against one fp32 head.
+/// args: n_k, n_q
+void BM_CacheQueryRows(benchmark::State& state) {
+  const Index nK = state.range(0), nQ = state.range(1), d = 128;
+  sdpa_bench::setThreads(1);
+  const auto cache = filled<float>(nK, 1, d, 0);
+  const double perCall = timeDecode(state, cache, 0, nQ, 1);
+  if (perCall == 0) return;
+  if (nQ == 1)
+    seconds("rows")[{nK}] = perCall;
+  else if (auto it = seconds("rows").find({nK}); it != seconds("rows").end())
+    state.counters["xOneRow"] = perCall / it->second;
+}
+
+/// Appending one token to a cache already holding n_k positions (then truncating it again):
+/// O(1) whatever n_k. args: n_k, mode (0 contiguous, 1 ring of n_k, 2 paged of 64-row blocks)
+template <typename Storage>
+void BM_CacheAppend(benchmark::State& state) {
+  const Index nK = state.range(0), d = 128, Hkv = 8;
+  const int mode = int(state.range(1));
+  auto cache = mode == 0   ? sdpa::KvCache<Storage>::contiguous({Hkv, d, d}, nK + 64)
+               : mode == 1 ? sdpa::KvCache<Storage>::ring({Hkv, d, d}, nK)
+                           : sdpa::KvCache<Storage>::paged({Hkv, d, d}, 64, nK / 64 + 2);
+  const Index seq = mode == 2 ? cache.addSequence() : 0;
+  const Eigen::MatrixXf rows = Eigen::MatrixXf::Random(64, Hkv * d);
+  for (Index i = 0; i < nK; i += 64) cache.append(seq, rows, rows);
+  Index i = 0;
+  for (auto _ : state) {
+    cache.append(seq, rows.row(i % 64), rows.row(i % 64));
+    if (++i % 64 == 0) cache.truncate(seq, cache.length(seq) - 64);
+  }
+}
+
+void BM_ReadBandwidth(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(sdpa_bench::readBandwidthGBs());
+  state.counters["GBps"] = sdpa_bench::readBandwidthGBs();
+}
+
+}  // namespace
+
+BENCHMARK(BM_ReadBandwidth)->Iterations(1);
+#define SDPA_CACHE_DECODE(T)                        \
+  BENCHMARK(BM_CacheDecode<T>)                      \
+      ->ArgNames({"nk", "d", "threads"})            \
+      ->ArgsProduct({{8192, 65536}, {128}, {1, 2}}) \
+      ->UseRealTime()                               \
+      ->Unit(benchmark::kMicrosecond)
+SDPA_CACHE_DECODE(float);
+SDPA_CACHE_DECODE(Eigen::half);
+SDPA_CACHE_DECODE(Eigen::bfloat16);
+SDPA_CACHE_DECODE(sdpa::kv::Q8);
+SDPA_CACHE_DECODE(sdpa::kv::Q4);
+BENCHMARK(BM_CachePaged<float>)
+    ->ArgNames({"nk", "d", "block"})
+    ->ArgsProduct({{65536}, {128}, {0, 16, 32, 64, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CachePaged<Eigen::half>)
+    ->ArgNames({"nk", "d", "block"})
+    ->ArgsProduct({{65536}, {128}, {0, 16, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CachePaged<sdpa::kv::Q8>)
+    ->ArgNames({"nk", "d", "block"})
+    ->ArgsProduct({{65536}, {128}, {0, 32, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheHeads)
+    ->ArgNames({"nk", "H", "threads"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheQueryRows)
+    ->ArgNames({"nk", "nq"})
+    ->ArgsProduct({{65536}, {1, 4, 8, 16}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheAppend<float>)->ArgNames({"nk", "mode"})->ArgsProduct({{4096, 65536}, {0, 1, 2}});
+BENCHMARK(BM_CacheAppend<sdpa::kv::Q8>)->ArgNames({"nk", "mode"})->ArgsProduct({{4096, 65536}, {0, 1, 2}});
+
+BENCHMARK_MAIN();

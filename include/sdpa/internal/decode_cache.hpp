@@ -1,0 +1,652 @@
+#ifndef SDPA_INTERNAL_DECODE_CACHE_HPP
+#define SDPA_INTERNAL_DECODE_CACHE_HPP
+
+// The decoding kernel of a KvCache: a few query rows against keys stored in pieces (a
+// contiguous cache is one piece, a ring two, a paged sequence one per block, a quantised cache
+// its groups and a float tail), read in place. Each kv head's keys stream once for all the query
+// heads of its GQA group and all the query rows of a block, chunk by chunk; masks see logical
+// positions; key ranges split over threads by the shape alone and merge by logSumExp in order,
+// so that results do not depend on the thread count.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../layout.hpp"
+#include "../mask.hpp"
+#include "forward_tiled.hpp"
+#include "kv_quant.hpp"
+#include "online_softmax.hpp"
+#include "parallel.hpp"
+
+namespace sdpa::internal::cache {
+
+/// Keys [pos, pos + count) of a sequence, stored contiguously. For kv head h, its k starts at
+/// k + h kHead bytes: float-like storage keeps key j, channel c at element j + c ld; quantised
+/// storage keeps consecutive groups of 32 keys (count a multiple of 32).
+struct Piece {
+  Index pos = 0, count = 0;
+  const unsigned char* k = nullptr;
+  const unsigned char* v = nullptr;
+  Index kHead = 0, vHead = 0, ld = 0;
+  bool quantised = false;
+};
+
+/// A sequence as the kernel reads it: its pieces in logical order, its length and the first
+/// position a ring still holds (earlier keys of a piece's first group are hidden).
+struct SequenceView {
+  const std::vector<Piece>* pieces = nullptr;
+  Index length = 0, first = 0;
+};
+
+/// Float rows of weights against float value spans (each span: count keys, column stride ld,
+/// at offset `offset` of the weights): dots[r][c] = sum over the spans' keys in order, packets
+/// of partial sums kept across spans (a paged sequence's blocks of 16 keys cost no reduction
+/// each), as decodeValuesRows.
+template <typename T = float>
+struct SpanOf {
+  const T* v;
+  Index ld, count, offset;
+};
+using FloatSpan = SpanOf<float>;
+
+template <int Rows>
+void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpans, Index dV, float* const* dots) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size, kCols = 4;
+  for (Index c0 = 0; c0 < dV; c0 += kCols) {
+    const Index cols = std::min(kCols, dV - c0);
+    Packet acc[Rows][kCols];
+    float tail[Rows][kCols] = {};
+    for (int m = 0; m < Rows; ++m)
+      for (Index c = 0; c < kCols; ++c) acc[m][c] = ei::pset1<Packet>(0.0f);
+    for (Index t = 0; t < nSpans; ++t) {
+      const FloatSpan& sp = spans[t];
+      const Index whole = sp.count / W * W;
+      if (cols == kCols) {
+        for (Index j = 0; j < whole; j += W) {
+          Packet pm[Rows];
+          for (int m = 0; m < Rows; ++m) pm[m] = ei::ploadu<Packet>(p[m] + sp.offset + j);
+          for (Index c = 0; c < kCols; ++c) {
+            const Packet vc = ei::ploadu<Packet>(sp.v + j + (c0 + c) * sp.ld);
+            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], vc, acc[m][c]);
+          }
+        }
+      } else {
+        for (Index j = 0; j < whole; j += W)
+          for (Index c = 0; c < cols; ++c) {
+            const Packet vc = ei::ploadu<Packet>(sp.v + j + (c0 + c) * sp.ld);
+            for (int m = 0; m < Rows; ++m)
+              acc[m][c] = ei::pmadd(ei::ploadu<Packet>(p[m] + sp.offset + j), vc, acc[m][c]);
+          }
+      }
+      for (Index j = whole; j < sp.count; ++j)
+        for (int m = 0; m < Rows; ++m)
+          for (Index c = 0; c < cols; ++c)
+            tail[m][c] = std::fma(p[m][sp.offset + j], sp.v[j + (c0 + c) * sp.ld], tail[m][c]);
+    }
+    for (int m = 0; m < Rows; ++m)
+      for (Index c = 0; c < cols; ++c) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
+  }
+}
+
+/// The rows four at a time, each block's row count fixed at compile time (as logitsRows).
+inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, Index nSpans, Index dV,
+                        float* const* dots) {
+  for (Index r0 = 0; r0 < R; r0 += 4) {
+    switch (std::min<Index>(4, R - r0)) {
+      case 1:
+        valuesSpansFixed<1>(p + r0, spans, nSpans, dV, dots + r0);
+        break;
+      case 2:
+        valuesSpansFixed<2>(p + r0, spans, nSpans, dV, dots + r0);
+        break;
+      case 3:
+        valuesSpansFixed<3>(p + r0, spans, nSpans, dV, dots + r0);
+        break;
+      default:
+        valuesSpansFixed<4>(p + r0, spans, nSpans, dV, dots + r0);
+        break;
+    }
+  }
+}
+
+/// A packet of floats from float storage, or (AVX-512 builds) of half or bfloat16 widened.
+inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
+  return Eigen::internal::ploadu<Eigen::internal::packet_traits<float>::type>(x);
+}
+#if defined(__AVX512F__)
+inline __m512 loadFloats(const Eigen::half* x) { return load16(x); }
+inline __m512 loadFloats(const Eigen::bfloat16* x) { return load16(x); }
+#endif
+
+/// decodeLogitsRows for Rows (<= 4) rows known at compile time: the partial sums stay in
+/// registers (with a run-time row count GCC keeps them on the stack, a store-to-load chain per
+/// multiply-add). The same arithmetic per (row, key): columns in order, one FMA each.
+template <int Rows, typename T>
+void logitsRowsFixed(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size, kCols = 8;
+  for (Index c0 = 0; c0 < d; c0 += kCols) {
+    const Index c1 = std::min(d, c0 + kCols);
+    Index j = 0;
+    for (; j + W <= n; j += W) {
+      Packet acc[Rows];
+      for (int m = 0; m < Rows; ++m) acc[m] = ei::ploadu<Packet>(s[m] + j);
+      for (Index c = c0; c < c1; ++c) {
+        const Packet kc = loadFloats(k + j + c * ldk);
+        for (int m = 0; m < Rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(a[m][c]), kc, acc[m]);
+      }
+      for (int m = 0; m < Rows; ++m) ei::pstoreu(s[m] + j, acc[m]);
+    }
+    for (; j < n; ++j)
+      for (int m = 0; m < Rows; ++m) {
+        float t = s[m][j];
+        for (Index c = c0; c < c1; ++c) t = std::fma(a[m][c], float(k[j + c * ldk]), t);
+        s[m][j] = t;
+      }
+  }
+}
+
+/// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic).
+template <typename T>
+void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s) {
+  for (Index r0 = 0; r0 < R; r0 += 4) {
+    switch (std::min<Index>(4, R - r0)) {
+      case 1:
+        logitsRowsFixed<1>(a + r0, k, ldk, d, n, s + r0);
+        break;
+      case 2:
+        logitsRowsFixed<2>(a + r0, k, ldk, d, n, s + r0);
+        break;
+      case 3:
+        logitsRowsFixed<3>(a + r0, k, ldk, d, n, s + r0);
+        break;
+      default:
+        logitsRowsFixed<4>(a + r0, k, ldk, d, n, s + r0);
+        break;
+    }
+  }
+}
+
+/**
+ * valuesSpans for many short spans (a paged sequence's small blocks): each span read once, in
+ * order, with the partial sums of every (row, column) kept in memory (acc: R d_v packets, in L1)
+ * between spans. valuesSpans would walk every block once per four columns, touching a few cache
+ * lines of each (a stride the hardware prefetcher does not follow).
+ */
+template <typename T>
+void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, Index nSpans, Index dV,
+                      float* const* dots, float* acc, float* tail) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  std::fill(acc, acc + R * dV * W, 0.0f);
+  std::fill(tail, tail + R * dV, 0.0f);
+  for (Index t = 0; t < nSpans; ++t) {
+    const SpanOf<T>& sp = spans[t];
+    const Index whole = sp.count / W * W;
+    for (Index r = 0; r < R; ++r) {
+      const float* pr = p[r] + sp.offset;
+      float* ar = acc + r * dV * W;
+      for (Index j = 0; j < whole; j += W) {
+        const Packet pm = ei::ploadu<Packet>(pr + j);
+        for (Index c = 0; c < dV; ++c)
+          ei::pstoreu(ar + c * W, ei::pmadd(pm, loadFloats(sp.v + j + c * sp.ld), ei::ploadu<Packet>(ar + c * W)));
+      }
+      for (Index j = whole; j < sp.count; ++j)
+        for (Index c = 0; c < dV; ++c) tail[r * dV + c] = std::fma(pr[j], float(sp.v[j + c * sp.ld]), tail[r * dV + c]);
+    }
+  }
+  for (Index r = 0; r < R; ++r)
+    for (Index c = 0; c < dV; ++c)
+      dots[r][c] = ei::predux(ei::ploadu<Packet>(acc + (r * dV + c) * W)) + tail[r * dV + c];
+}
+
+/**
+ * cachedAttention's kernel for storage `Storage` (float, double, Eigen::half, Eigen::bfloat16,
+ * kv::Q8, kv::Q4): q (n_q x H d_k, Acc) against one sequence, out (n_q x H d_v), lse (n_q x H).
+ * Work items are (kv head, block of query rows, key split); an item computes the rows of every
+ * query head of the kv head's group in one pass over each chunk of keys.
+ */
+template <typename Storage>
+struct decode_cache_impl {
+  static constexpr bool kQuantised = quant::IsQuantised<Storage>;
+  /// The element type of float-like pieces (a quantised cache's tail is float).
+  using Plain = std::conditional_t<kQuantised, float, Storage>;
+  using Acc = Accumulator<Plain>;
+  using TileMap = Eigen::Map<RowMajorMatrix<Acc>>;
+
+  /// Query rows per block: decoding (one token, or the few of speculative decoding) is one block.
+  static constexpr Index kRowBlock = 16;
+  /// Query rows per head up to which the products are matrix-vector kernels (decoding).
+  static constexpr Index kDecodeRows = 4;
+
+  /// Keys per chunk: k and v of a chunk take about 512 KiB, in L2 while the group's rows read
+  /// it; a multiple of 32 (whole quantised groups).
+  static Index chunkKeys(Index dK, Index dV) {
+    double perKey;
+    if constexpr (kQuantised)
+      perKey = double(quant::groupBytes<Storage>(dK) + quant::groupBytes<Storage>(dV)) / double(quant::kGroup);
+    else
+      perKey = double((dK + dV) * Index(sizeof(Plain)));
+    return std::clamp<Index>(Index(double(Index(1) << 19) / perKey) / 32 * 32, 256, 8192);
+  }
+
+  struct Chunk {
+    Index first, last;  // pieces [first, last) of the plan's cut pieces
+    Index pos, keys;
+  };
+
+  struct Scratch {
+    Buffer<Acc> qs, s, dots, kf, vf, as, acc;
+    std::vector<const Acc*> rowsA;
+    std::vector<Acc*> rowsS, rowsD, rowsO;
+    std::vector<const unsigned char*> groups;
+    std::vector<FloatSpan> spans;
+    std::vector<char> active;
+  };
+  static Scratch& threadScratch() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
+
+  struct Plan {
+    std::vector<Piece> cut;
+    std::vector<Chunk> chunks;
+    std::vector<OnlineSoftmax<Acc>> states;
+  };
+
+  /// Cuts the pieces into chunks of at most chunkKeys keys (a quantised piece at group bounds).
+  static void makeChunks(const std::vector<Piece>& pieces, Index dK, Index dV, Plan& plan) {
+    const Index limit = chunkKeys(dK, dV);
+    plan.cut.clear();
+    plan.chunks.clear();
+    Index used = limit;  // keys in the open chunk; none open yet
+    for (const Piece& whole : pieces) {
+      Piece p = whole;
+      while (p.count > 0) {
+        if (used == limit) {
+          plan.chunks.push_back({Index(plan.cut.size()), Index(plan.cut.size()), p.pos, 0});
+          used = 0;
+        }
+        const Index take = std::min(p.count, limit - used);
+        Piece head = p;
+        head.count = take;
+        plan.cut.push_back(head);
+        Chunk& c = plan.chunks.back();
+        c.last = Index(plan.cut.size());
+        c.keys += take;
+        used += take;
+        p.pos += take;
+        p.count -= take;
+        if constexpr (kQuantised) {
+          if (p.quantised) {
+            p.k += take / quant::kGroup * quant::groupBytes<Storage>(dK);
+            p.v += take / quant::kGroup * quant::groupBytes<Storage>(dV);
+            continue;
+          }
+        }
+        p.k += take * Index(sizeof(Plain));
+        p.v += take * Index(sizeof(Plain));
+      }
+    }
+  }
+
+  /// Key splits: by the chunk count alone (never the thread count), at most 8.
+  static Index splitsOf(Index chunks) { return std::clamp<Index>(chunks / 2, 1, 8); }
+
+  template <typename Scale, typename Mask>
+  static void run(const ConstRef<Acc>& q, const SequenceView& seq, const Heads& heads, Index dK, Index dV,
+                  const Scale& scale, const Mask& mask, Eigen::Ref<Matrix<Acc>> out, Eigen::Ref<Matrix<Acc>> lse) {
+    // The calling thread's plan (a reference: the workers' own thread_local would be empty).
+    thread_local Plan callerPlan;
+    Plan& plan = callerPlan;
+    makeChunks(*seq.pieces, dK, dV, plan);
+    const Index nQ = q.rows(), G = heads.groupSize(), nChunks = Index(plan.chunks.size());
+    const Index blocks = (nQ + kRowBlock - 1) / kRowBlock, S = splitsOf(nChunks);
+    const Index items = heads.keyValue * blocks * S;
+    if (Index(plan.states.size()) < items * G) plan.states.resize(size_t(items * G));
+    const auto state = [&](Index h, Index b, Index s, Index m) -> OnlineSoftmax<Acc>& {
+      return plan.states[size_t(((h * blocks + b) * S + s) * G + m)];
+    };
+    const Index perSplit = (nChunks + S - 1) / S;
+    parallelFor(items, maxThreads(), [&](Index item) {
+      const Index s = item % S, b = item / S % blocks, h = item / S / blocks;
+      const Index i0 = b * kRowBlock, bq = std::min(kRowBlock, nQ - i0);
+      for (Index m = 0; m < G; ++m) state(h, b, s, m).start(bq, dV);
+      const Index c0 = std::min(nChunks, s * perSplit), c1 = std::min(nChunks, (s + 1) * perSplit);
+      block(q, seq, plan, c0, c1, h, G, i0, bq, dK, dV, scale, mask,
+            [&](Index m) -> OnlineSoftmax<Acc>& { return state(h, b, s, m); });
+    });
+    for (Index h = 0; h < heads.keyValue; ++h)
+      for (Index b = 0; b < blocks; ++b)
+        for (Index m = 0; m < G; ++m) {
+          auto& st = state(h, b, 0, m);
+          for (Index s = 1; s < S; ++s) st.merge(state(h, b, s, m));
+          const Index hq = h * G + m, i0 = b * kRowBlock, bq = std::min(kRowBlock, nQ - i0);
+          st.finish(out.block(i0, hq * dV, bq, dV), lse.col(hq).segment(i0, bq));
+        }
+  }
+
+  /// Rows [i0, i0 + bq) of the query heads of kv head h against chunks [c0, c1).
+  template <typename Scale, typename Mask, typename States>
+  static void block(const ConstRef<Acc>& q, const SequenceView& seq, const Plan& plan, Index c0, Index c1, Index h,
+                    Index G, Index i0, Index bq, Index dK, Index dV, const Scale& scale, const Mask& mask,
+                    States&& stateOf) {
+    Scratch& sc = threadScratch();
+    const Index nQ = q.rows(), L = seq.length, R = G * bq;
+    const Index limit = chunkKeys(dK, dV);
+    Acc* qs = sc.qs.get(R * dK);
+    Acc* sAll = sc.s.get(R * limit);
+    Acc* dots = sc.dots.get(R * dV);
+    sc.rowsA.resize(size_t(R));
+    sc.rowsS.resize(size_t(R));
+    sc.rowsD.resize(size_t(R));
+    sc.rowsO.resize(size_t(R));
+    sc.active.resize(size_t(G));
+    // qs: member m's rows (query head h G + m) from row m bq, tau folded in where it may be.
+    for (Index m = 0; m < G; ++m) {
+      const Index hq = h * G + m;
+      const Acc tau = headScale(scale, hq).template value<Acc>(dK);
+      const bool fold = foldsScaleIntoQuery(tau);
+      for (Index i = 0; i < bq; ++i)
+        for (Index c = 0; c < dK; ++c) {
+          const Acc x = q(i0 + i, hq * dK + c);
+          qs[(m * bq + i) * dK + c] = fold ? tau * x : x;
+        }
+    }
+    for (Index ci = c0; ci < c1; ++ci) {
+      const Chunk& chunk = plan.chunks[size_t(ci)];
+      const Index n = chunk.keys;
+      Index Ra = 0;
+      for (Index m = 0; m < G; ++m) {
+        const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, chunk.pos, n, nQ, L, h * G + m);
+        sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
+        if (t == mask::Tile::Hidden) continue;
+        for (Index i = 0; i < bq; ++i, ++Ra) {
+          Acc* row = sAll + (m * bq + i) * n;
+          std::fill(row, row + n, Acc(0));
+          sc.rowsA[size_t(Ra)] = qs + (m * bq + i) * dK;
+          sc.rowsS[size_t(Ra)] = row;
+        }
+      }
+      if (Ra == 0) continue;
+      // Several query rows per head (multi-token decoding): the products as GEMMs, whose packing
+      // pays for itself over more than kDecodeRows rows (which of the two, a head's own row
+      // count decides, never its group).
+      const bool gemm = !kQuantised && std::is_same_v<Plain, float> && bq > kDecodeRows && Ra == R;
+      logits(plan, chunk, h, Ra, dK, sc, gemm ? qs : nullptr);
+      // A ring's oldest group may start before the first position it still holds.
+      if (chunk.pos < seq.first) {
+        const Index hide = std::min(n, seq.first - chunk.pos);
+        for (Index r = 0; r < Ra; ++r) std::fill(sc.rowsS[size_t(r)], sc.rowsS[size_t(r)] + hide, -kInf);
+      }
+      Ra = 0;
+      for (Index m = 0; m < G; ++m) {
+        if (!sc.active[size_t(m)]) continue;
+        const Index hq = h * G + m;
+        TileMap s(sAll + m * bq * n, bq, n);
+        const Acc tau = headScale(scale, hq).template value<Acc>(dK);
+        if (!foldsScaleIntoQuery(tau)) s *= tau;
+        if (sc.active[size_t(m)] == 2) mask.apply(s, i0, chunk.pos, nQ, L, hq);
+        stateOf(m).absorb(s);
+        for (Index i = 0; i < bq; ++i, ++Ra) {
+          sc.rowsA[size_t(Ra)] = &s(i, 0);
+          sc.rowsD[size_t(Ra)] = dots + (m * bq + i) * dV;
+        }
+      }
+      values(plan, chunk, h, Ra, dV, sc, gemm ? dots : nullptr);
+      for (Index m = 0; m < G; ++m) {
+        if (!sc.active[size_t(m)]) continue;
+        auto acc = stateOf(m).acc();
+        for (Index i = 0; i < bq; ++i) {
+          const Acc* p = sAll + (m * bq + i) * n;
+          const Acc* d = dots + (m * bq + i) * dV;
+          for (Index c = 0; c < dV; ++c)
+            acc(i, c) += std::isfinite(d[c]) ? d[c] : dotSkippingZeros(plan, chunk, h, p, c, dV);
+        }
+      }
+    }
+  }
+
+  static constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+  /// Pieces of fewer keys on average are short (valuesShortSpans); the fused half kernels need
+  /// runs of at least kFusedRun keys (their loops take 32 keys at a time).
+  static constexpr Index kShortSpan = 64, kFusedRun = 256;
+
+  static bool fusedHalf(const Plan& plan, const Chunk& chunk) {
+    for (Index t = chunk.first; t < chunk.last; ++t)
+      if (plan.cut[size_t(t)].count < kFusedRun && chunk.last - chunk.first > 1) return false;
+    return true;
+  }
+
+  template <typename T>
+  static const T* at(const unsigned char* base, Index headBytes, Index h) {
+    return reinterpret_cast<const T*>(base + h * headBytes);
+  }
+
+  /// s rows (sc.rowsA's queries, sc.rowsS's logits) += q k^T over the chunk's keys.
+  /// gemmQ (R x d_k row-major, or null): every row active, the logits one R x n row-major block.
+  static void logits(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dK, Scratch& sc,
+                     const Acc* gemmQ = nullptr) {
+    Index offset = 0;
+    if constexpr (kQuantised) {
+      sc.groups.clear();
+      for (Index t = chunk.first; t < chunk.last; ++t) {
+        const Piece& p = plan.cut[size_t(t)];
+        if (!p.quantised) continue;
+        const unsigned char* g0 = p.k + h * p.kHead;
+        for (Index g = 0; g < p.count / quant::kGroup; ++g)
+          sc.groups.push_back(g0 + g * quant::groupBytes<Storage>(dK));
+        offset += p.count;
+      }
+      if (!sc.groups.empty())
+        quant::logitsGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dK, sc.rowsS.data(),
+                                     sc.as.get(R * dK));
+    }
+    for (Index t = chunk.first; t < chunk.last; ++t) {
+      const Piece& p = plan.cut[size_t(t)];
+      if (p.quantised) continue;
+      for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
+      const Plain* k = at<Plain>(p.k, p.kHead, h);
+      if constexpr (std::is_same_v<Plain, float>) {
+        if (gemmQ) {
+          using Stride = Eigen::OuterStride<>;
+          const Eigen::Map<const Matrix<float>, 0, Stride> km(k, p.count, dK, Stride(p.ld));
+          Eigen::Map<RowMajorMatrix<float>, 0, Stride> sm(sc.rowsO[0], R, p.count, Stride(chunk.keys));
+          sm.noalias() += Eigen::Map<const RowMajorMatrix<float>>(gemmQ, R, dK) * km.transpose();
+        } else {
+          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data());
+        }
+      } else if constexpr (std::is_same_v<Plain, double>) {
+        const Eigen::Map<const Matrix<double>, 0, Eigen::OuterStride<>> km(k, p.count, dK, Eigen::OuterStride<>(p.ld));
+        for (Index r = 0; r < R; ++r)
+          Eigen::Map<Vector<double>>(sc.rowsO[size_t(r)], p.count).noalias() +=
+              km * Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)], dK);
+      } else if constexpr (kFusedHalf) {
+        if (!fusedHalf(plan, chunk)) {
+          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data());  // short pieces, in place
+        } else {
+          // Long pieces: converted in registers, 8 columns per pass over a row of logits, with
+          // prefetching (axpyColumnsHalf).
+          for (Index r = 0; r < R; ++r) {
+            Index c = 0;
+            for (; c + 8 <= dK; c += 8)
+              axpyColumnsHalf<8>(sc.rowsA[size_t(r)] + c, k + c * p.ld, p.ld, sc.rowsO[size_t(r)], p.count);
+            for (; c < dK; ++c)
+              axpyColumnsHalf<1>(sc.rowsA[size_t(r)] + c, k + c * p.ld, p.ld, sc.rowsO[size_t(r)], p.count);
+          }
+        }
+      } else {
+        // Half storage without AVX-512 in the build: the piece's columns converted into L1/L2
+        // (halfToFloat), then float's kernel.
+        float* kf = sc.kf.get(p.count * dK);
+        for (Index c = 0; c < dK; ++c) halfToFloat(k + c * p.ld, kf + c * p.count, p.count);
+        logitsRows(sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data());
+      }
+      offset += p.count;
+    }
+  }
+
+  /// dots rows (sc.rowsD) = weights (sc.rowsA) . v over the chunk's keys.
+  /// gemmOut (R x d_v row-major, or null): every row active, the weights one R x n block.
+  static void values(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dV, Scratch& sc,
+                     Acc* gemmOut = nullptr) {
+    Index offset = 0;
+    if constexpr (std::is_same_v<Plain, float> && !kQuantised) {
+      if (gemmOut) {
+        using Stride = Eigen::OuterStride<>;
+        Eigen::Map<RowMajorMatrix<float>> out(gemmOut, R, dV);
+        out.setZero();
+        for (Index t = chunk.first; t < chunk.last; ++t) {
+          const Piece& p = plan.cut[size_t(t)];
+          const Eigen::Map<const Matrix<float>, 0, Stride> vm(at<float>(p.v, p.vHead, h), p.count, dV, Stride(p.ld));
+          const Eigen::Map<const RowMajorMatrix<float>, 0, Stride> pm(sc.rowsA[0] + offset, R, p.count,
+                                                                      Stride(chunk.keys));
+          out.noalias() += pm * vm;
+          offset += p.count;
+        }
+        return;
+      }
+    }
+    bool any = false;
+    if constexpr (kQuantised) {
+      sc.groups.clear();
+      for (Index t = chunk.first; t < chunk.last; ++t) {
+        const Piece& p = plan.cut[size_t(t)];
+        if (!p.quantised) continue;
+        const unsigned char* g0 = p.v + h * p.vHead;
+        for (Index g = 0; g < p.count / quant::kGroup; ++g)
+          sc.groups.push_back(g0 + g * quant::groupBytes<Storage>(dV));
+        offset += p.count;
+      }
+      if (!sc.groups.empty()) {
+        quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV,
+                                     sc.rowsD.data());
+        any = true;
+      }
+    }
+    if constexpr (std::is_same_v<Plain, double>) {
+      for (Index r = 0; r < R; ++r) Eigen::Map<Vector<double>>(sc.rowsD[size_t(r)], dV).setZero();
+      for (Index t = chunk.first; t < chunk.last; ++t) {
+        const Piece& p = plan.cut[size_t(t)];
+        const Eigen::Map<const Matrix<double>, 0, Eigen::OuterStride<>> vm(at<double>(p.v, p.vHead, h), p.count, dV,
+                                                                           Eigen::OuterStride<>(p.ld));
+        for (Index r = 0; r < R; ++r)
+          Eigen::Map<Vector<double>>(sc.rowsD[size_t(r)], dV).transpose().noalias() +=
+              Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)] + offset, p.count).transpose() * vm;
+        offset += p.count;
+      }
+    } else {
+      if constexpr (IsHalfScalar<Plain> && kFusedHalf) {
+        if (fusedHalf(plan, chunk)) {
+          // Half storage converted in registers: each piece's dots, 8 columns per pass over the weights.
+          float* part = sc.vf.get(dV);
+          for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
+          for (Index t = chunk.first; t < chunk.last; ++t) {
+            const Piece& p = plan.cut[size_t(t)];
+            const Plain* v = at<Plain>(p.v, p.vHead, h);
+            for (Index r = 0; r < R; ++r) {
+              const float* w = sc.rowsA[size_t(r)] + offset;
+              Index c = 0;
+              for (; c + 8 <= dV; c += 8) dotColumnsHalf<8>(w, v + c * p.ld, p.ld, p.count, part + c);
+              for (; c < dV; ++c) dotColumnsHalf<1>(w, v + c * p.ld, p.ld, p.count, part + c);
+              for (c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += part[c];
+            }
+            offset += p.count;
+          }
+          return;
+        }
+        // Short pieces: read in place, widened in registers.
+        thread_local std::vector<SpanOf<Plain>> spans;
+        spans.clear();
+        for (Index t = chunk.first; t < chunk.last; ++t) {
+          const Piece& p = plan.cut[size_t(t)];
+          spans.push_back({at<Plain>(p.v, p.vHead, h), p.ld, p.count, offset});
+          offset += p.count;
+        }
+        valuesShortSpans(sc.rowsA.data(), R, spans.data(), Index(spans.size()), dV, sc.rowsD.data(),
+                         sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
+        return;
+      }
+      // Float spans: the pieces themselves, or (half storage) the chunk's values converted.
+      sc.spans.clear();
+      const Index first = offset;
+      Index tailKeys = 0;
+      for (Index t = chunk.first; t < chunk.last; ++t)
+        if (!plan.cut[size_t(t)].quantised) tailKeys += plan.cut[size_t(t)].count;
+      float* vf = std::is_same_v<Plain, float> ? nullptr : sc.vf.get(tailKeys * dV);
+      for (Index t = chunk.first; t < chunk.last; ++t) {
+        const Piece& p = plan.cut[size_t(t)];
+        if (p.quantised) continue;
+        const Plain* v = at<Plain>(p.v, p.vHead, h);
+        if constexpr (std::is_same_v<Plain, float>) {
+          sc.spans.push_back({v, p.ld, p.count, offset});
+        } else {
+          float* dst = vf + (offset - first);
+          for (Index c = 0; c < dV; ++c) halfToFloat(v + c * p.ld, dst + c * tailKeys, p.count);
+        }
+        offset += p.count;
+      }
+      if constexpr (!std::is_same_v<Plain, float>) {
+        if (tailKeys > 0) sc.spans.push_back({vf, tailKeys, tailKeys, first});
+      }
+      if (sc.spans.empty()) {
+        if (!any)
+          for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
+        return;
+      }
+      if (!any) {
+        const Index spans = Index(sc.spans.size());
+        if (spans > 1 && chunk.keys < kShortSpan * spans)
+          valuesShortSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(),
+                           sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
+        else
+          valuesSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data());
+      } else {
+        // A quantised chunk's float tail: added to the groups' dots.
+        float* extra = sc.kf.get(R * dV);
+        for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = extra + r * dV;
+        valuesSpans(sc.rowsA.data(), R, sc.spans.data(), Index(sc.spans.size()), dV, sc.rowsO.data());
+        for (Index r = 0; r < R; ++r)
+          for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += extra[r * dV + c];
+      }
+    }
+  }
+
+  /// sum_j p_j v_jc over the chunk's keys with p_j != 0: a value of weight 0 has no effect even
+  /// if it is NaN or inf (only a dot that came out non-finite pays for this scalar pass).
+  static Acc dotSkippingZeros(const Plan& plan, const Chunk& chunk, Index h, const Acc* p, Index c, Index dV) {
+    Acc sum = 0;
+    Index offset = 0;
+    for (Index t = chunk.first; t < chunk.last; ++t) {
+      const Piece& piece = plan.cut[size_t(t)];
+      for (Index j = 0; j < piece.count; ++j) {
+        const Acc w = p[offset + j];
+        if (w == Acc(0)) continue;
+        Acc x;
+        if constexpr (kQuantised) {
+          if (piece.quantised) {
+            const unsigned char* g = piece.v + h * piece.vHead + j / quant::kGroup * quant::groupBytes<Storage>(dV);
+            x = quant::dequantised<Storage>(g, dV, j % quant::kGroup, c);
+            sum += w * x;
+            continue;
+          }
+        }
+        x = Acc(at<Plain>(piece.v, piece.vHead, h)[j + c * piece.ld]);
+        sum += w * x;
+      }
+      offset += piece.count;
+    }
+    return sum;
+  }
+};
+
+}  // namespace sdpa::internal::cache
+
+#endif  // SDPA_INTERNAL_DECODE_CACHE_HPP

@@ -1,0 +1,419 @@
+// KvCache (contiguous, ring, paged; float, double, half, bf16, q8, q4 storage) and
+// cachedAttention against multiHeadAttention over the same logical keys.
+#include <sdpa/kv_cache.hpp>
+
+#include <random>
+
+#include "support/cases.hpp"
+
+namespace {
+
+using sdpa::CacheShape;
+using sdpa::Heads;
+using sdpa::Index;
+using sdpa::KvCache;
+using sdpa_test::Mat;
+
+Mat<float> kvRows(Index rows, Index cols, std::mt19937_64& gen, float sd = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, sd);
+  Mat<float> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = dist(gen);
+  return m;
+}
+
+/// The values a cache of `Storage` keeps for float input (rounded to half, bf16; else as given).
+template <typename Storage>
+Mat<float> kvStored(const Mat<float>& x) {
+  if constexpr (std::is_same_v<Storage, Eigen::half> || std::is_same_v<Storage, Eigen::bfloat16>)
+    return x.cast<Storage>().template cast<float>();
+  else
+    return x;
+}
+
+/// cachedAttention of q (the last n_q positions) against a sequence holding k, v (all of the
+/// sequence's positions) checked against multiHeadAttention over k, v, by the FlashAttention rule
+/// (twice the error of the plain float computation against the long-double... here double
+/// oracle, plus rounding). For double storage the plain computation is in double.
+template <typename Storage, typename Scale, typename Mask>
+void checkAgainstWhole(const sdpa::KvSequence<Storage>& seq, const Mat<float>& q, const Mat<float>& k,
+                       const Mat<float>& v, const Heads& heads, const Scale& scale, const Mask& mask) {
+  using Acc = typename KvCache<Storage>::Scalar;
+  const Mat<float> ks = kvStored<Storage>(k), vs = kvStored<Storage>(v);
+  const auto gold = sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q.cast<double>(), ks.cast<double>(),
+                                                    vs.cast<double>(), heads, scale, mask);
+  const auto plain = sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q.cast<Acc>(), ks.cast<Acc>(),
+                                                     vs.cast<Acc>(), heads, scale, mask);
+  const auto got = sdpa::cachedAttentionForward(q.cast<Acc>(), seq, heads, scale, mask);
+  REQUIRE(got.output.rows() == q.rows());
+  REQUIRE(got.output.cols() == gold.output.cols());
+  double lseScale = 0;
+  for (Index i = 0; i < gold.logSumExp.size(); ++i)
+    if (std::isfinite(gold.logSumExp.data()[i])) lseScale = std::max(lseScale, std::abs(gold.logSumExp.data()[i]));
+  const double outScale = sdpa_test::maxAbs(gold.output);
+  const double err = sdpa_test::maxAbsDiff(got.output, gold.output);
+  const double naive = sdpa_test::maxAbsDiff(plain.output, gold.output);
+  INFO("output error " << err << ", plain computation's " << naive);
+  CHECK(err <= sdpa_test::errorBound<Acc>(naive, outScale, lseScale));
+  for (Index i = 0; i < gold.logSumExp.size(); ++i) {
+    const double g = gold.logSumExp.data()[i], c = double(got.logSumExp.data()[i]);
+    if (std::isinf(g)) {
+      CHECK(c == -std::numeric_limits<double>::infinity());
+    } else {
+      CHECK(std::abs(c - g) <= sdpa_test::errorBound<Acc>(std::abs(double(plain.logSumExp.data()[i]) - g), lseScale));
+    }
+  }
+  CHECK(got.output.allFinite());
+}
+
+/// Appends rows [from, to) of k and v to a sequence in chunks of the given sizes, cycling.
+template <typename Storage>
+void appendInChunks(KvCache<Storage>& cache, Index seq, const Mat<float>& k, const Mat<float>& v, Index from, Index to,
+                    std::initializer_list<Index> sizes) {
+  Index i = from;
+  for (size_t c = 0; i < to; ++c) {
+    const Index n = std::min(*(sizes.begin() + c % sizes.size()), to - i);
+    cache.append(seq, k.middleRows(i, n), v.middleRows(i, n));
+    i += n;
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("KvCache contiguous: cachedAttention equals multiHeadAttention over the same keys", "[kvcache]",
+                   float, double, Eigen::half, Eigen::bfloat16) {
+  using Storage = TestType;
+  std::mt19937_64 gen(7);
+  struct Case {
+    Heads heads;
+    Index dK, dV, n, nQ;
+  };
+  const Case cases[] = {{Heads{1}, 8, 8, 1, 1},        {Heads{4, 2}, 16, 12, 300, 1},   {Heads{3}, 5, 7, 77, 3},
+                        {Heads{8, 1}, 32, 32, 700, 4}, {Heads{4, 2}, 16, 16, 2100, 16}, {Heads{2, 1}, 8, 4, 90, 20}};
+  for (const Case& cs : cases) {
+    const Index H = cs.heads.query, Hkv = cs.heads.keyValue;
+    DYNAMIC_SECTION("H " << H << "/" << Hkv << " d " << cs.dK << "/" << cs.dV << " n " << cs.n << " n_q " << cs.nQ) {
+      const Mat<float> k = kvRows(cs.n, Hkv * cs.dK, gen), v = kvRows(cs.n, Hkv * cs.dV, gen);
+      const Mat<float> q = kvRows(cs.nQ, H * cs.dK, gen, 2.0f);
+      auto cache = KvCache<Storage>::contiguous(CacheShape{Hkv, cs.dK, cs.dV}, cs.n + 5);
+      appendInChunks(cache, 0, k, v, 0, cs.n, {1, 5, 37, 2});
+      REQUIRE(cache.length() == cs.n);
+      const auto seq = cache.sequence(0);
+      const auto lr = sdpa::mask::Align::LowerRight;
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{});
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::None{}, sdpa::mask::Causal{lr});
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::InvSqrtDk{},
+                        sdpa::mask::combine(sdpa::mask::Causal{lr}, sdpa::mask::Alibi::standard(H, lr)));
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::Temperature{0.5}, sdpa::mask::SlidingWindow{40, 0, lr});
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::InvSqrtDk{},
+                        sdpa::mask::combine(sdpa::mask::Softcap{5.0}, sdpa::mask::Causal{lr}));
+    }
+  }
+}
+
+TEST_CASE("KvCache: a query head of a GQA group gets the bits of its head alone", "[kvcache]") {
+  std::mt19937_64 gen(11);
+  const Index dK = 64, dV = 64, n = 5000;
+  const Mat<float> k = kvRows(n, 2 * dK, gen), v = kvRows(n, 2 * dV, gen), q = kvRows(2, 8 * dK, gen);
+  auto group = KvCache<float>::contiguous({2, dK, dV}, n);
+  group.append(k, v);
+  const auto all = sdpa::cachedAttention(q, group, Heads{8, 2});
+  for (Index h = 0; h < 8; ++h) {
+    const Index kv = h / 4;
+    auto alone = KvCache<float>::contiguous({1, dK, dV}, n);
+    alone.append(k.middleCols(kv * dK, dK), v.middleCols(kv * dV, dV));
+    const auto one = sdpa::cachedAttention(q.middleCols(h * dK, dK), alone, Heads{1});
+    CHECK((one.array() == all.middleCols(h * dV, dV).array()).all());
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache ring: attention over the ring equals the sliding window over the whole sequence",
+                   "[kvcache]", float, Eigen::half, sdpa::kv::Q8) {
+  using Storage = TestType;
+  std::mt19937_64 gen(3);
+  const Index H = 4, Hkv = 2, dK = 16, dV = 8, window = 45, maxQ = 4, total = 460;
+  const Mat<float> k = kvRows(total, Hkv * dK, gen), v = kvRows(total, Hkv * dV, gen);
+  auto ring = KvCache<Storage>::ring({Hkv, dK, dV}, window, maxQ);
+  const auto lr = sdpa::mask::Align::LowerRight;
+  const auto windowMask = sdpa::mask::SlidingWindow{window - 1, 0, lr};
+  const auto alibi = sdpa::mask::combine(windowMask, sdpa::mask::Alibi::standard(H, lr));
+  Index L = 0, step = 0;
+  while (L < total) {
+    const Index n = std::min<Index>(total - L, 1 + (step++ % maxQ));
+    ring.append(k.middleRows(L, n), v.middleRows(L, n));
+    L += n;
+    REQUIRE(ring.length() == L);
+    CHECK(ring.firstPosition() == std::max<Index>(0, L - (window + maxQ - 1)));
+    if (step % 7 != 0 && L < total) continue;
+    const Mat<float> q = kvRows(n, H * dK, gen);
+    INFO("length " << L << ", " << n << " query rows");
+    if constexpr (sdpa::internal::quant::IsQuantised<Storage>) {
+      // Against the float ring (the quantised error is checked on its own below).
+      auto flt = KvCache<float>::ring({Hkv, dK, dV}, window, maxQ);
+      flt.append(k.topRows(L), v.topRows(L));
+      const auto a = sdpa::cachedAttention(q, ring, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, alibi);
+      const auto b = sdpa::cachedAttention(q, flt, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, alibi);
+      CHECK(sdpa_test::maxAbsDiff(a, b) < 0.05);
+    } else {
+      checkAgainstWhole(ring.sequence(0), q, k.topRows(L), v.topRows(L), Heads{H, Hkv}, sdpa::scale::InvSqrtDk{},
+                        windowMask);
+      checkAgainstWhole(ring.sequence(0), q, k.topRows(L), v.topRows(L), Heads{H, Hkv}, sdpa::scale::InvSqrtDk{},
+                        alibi);
+    }
+  }
+  // More query rows than the ring keeps for its window: a clear error.
+  const Mat<float> q = kvRows(maxQ + 1, H * dK, gen);
+  CHECK_THROWS_WITH(sdpa::cachedAttention(q, ring, Heads{H, Hkv}),
+                    Catch::Contains("5 query rows over a window of 45 need the last 49 positions"));
+}
+
+TEMPLATE_TEST_CASE("KvCache paged: sequences, shared prefixes and copy on write", "[kvcache]", float, Eigen::bfloat16,
+                   sdpa::kv::Q4) {
+  using Storage = TestType;
+  constexpr bool kQ = sdpa::internal::quant::IsQuantised<Storage>;
+  std::mt19937_64 gen(5);
+  const Index H = 4, Hkv = 4, dK = 32, dV = 16;
+  for (const Index B : {Index(32), Index(64)}) {
+    DYNAMIC_SECTION("block rows " << B) {
+      auto cache = KvCache<Storage>::paged({Hkv, dK, dV}, B, 40);
+      const Mat<float> prefix = kvRows(150, Hkv * dK, gen), prefixV = kvRows(150, Hkv * dV, gen);
+      const Index a = cache.addSequence();
+      appendInChunks(cache, a, prefix, prefixV, 0, 150, {7, 1, 64});
+      const Index used = cache.blocks() - cache.freeBlocks();
+      CHECK(used == (kQ ? 128 / B + (128 % B != 0) : (150 + B - 1) / B));
+      const Index b = cache.fork(a);
+      CHECK(cache.blocks() - cache.freeBlocks() == used);  // shared, not copied
+      CHECK(cache.blockTable(b) == cache.blockTable(a));
+      // The sequences diverge: each its own continuation.
+      const Mat<float> ka = kvRows(70, Hkv * dK, gen), va = kvRows(70, Hkv * dV, gen);
+      const Mat<float> kb = kvRows(90, Hkv * dK, gen), vb = kvRows(90, Hkv * dV, gen);
+      appendInChunks(cache, a, ka, va, 0, 70, {3, 16});
+      appendInChunks(cache, b, kb, vb, 0, 90, {1});
+      Mat<float> wholeA(220, Hkv * dK), wholeVA(220, Hkv * dV), wholeB(240, Hkv * dK), wholeVB(240, Hkv * dV);
+      wholeA << prefix, ka;
+      wholeVA << prefixV, va;
+      wholeB << prefix, kb;
+      wholeVB << prefixV, vb;
+      const Mat<float> q = kvRows(2, H * dK, gen);
+      const auto causal = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
+      if constexpr (kQ) {
+        auto fa = KvCache<float>::contiguous({Hkv, dK, dV}, 220), fb = KvCache<float>::contiguous({Hkv, dK, dV}, 240);
+        fa.append(wholeA, wholeVA);
+        fb.append(wholeB, wholeVB);
+        CHECK(sdpa_test::maxAbsDiff(
+                  sdpa::cachedAttention(q, cache.sequence(a), Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal),
+                  sdpa::cachedAttention(q, fa, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal)) < 0.3);
+        CHECK(sdpa_test::maxAbsDiff(
+                  sdpa::cachedAttention(q, cache.sequence(b), Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal),
+                  sdpa::cachedAttention(q, fb, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal)) < 0.3);
+      } else {
+        checkAgainstWhole(cache.sequence(a), q, wholeA, wholeVA, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal);
+        checkAgainstWhole(cache.sequence(b), q, wholeB, wholeVB, Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, causal);
+      }
+      // The shared prefix's whole blocks are still shared.
+      const Index sharedBlocks = (kQ ? 128 : 150) / B;
+      for (Index i = 0; i < sharedBlocks; ++i) CHECK(cache.blockTable(a)[size_t(i)] == cache.blockTable(b)[size_t(i)]);
+      Index own = 0;  // b's blocks that a does not hold
+      for (const Index blk : cache.blockTable(b))
+        own += std::count(cache.blockTable(a).begin(), cache.blockTable(a).end(), blk) == 0;
+      const Index before = cache.freeBlocks();
+      cache.release(b);
+      CHECK(cache.freeBlocks() == before + own);
+      CHECK_FALSE(cache.isLive(b));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache: truncation drops rejected tokens (speculative decoding)", "[kvcache]", float, double) {
+  std::mt19937_64 gen(9);
+  const Index dK = 8, dV = 8;
+  const Mat<float> k = kvRows(100, dK, gen), v = kvRows(100, dV, gen), junk = kvRows(6, dK, gen);
+  for (const auto mode : {sdpa::CacheMode::Contiguous, sdpa::CacheMode::Ring, sdpa::CacheMode::Paged}) {
+    auto cache = mode == sdpa::CacheMode::Contiguous ? KvCache<TestType>::contiguous({1, dK, dV}, 120)
+                 : mode == sdpa::CacheMode::Ring     ? KvCache<TestType>::ring({1, dK, dV}, 30, 10)
+                                                     : KvCache<TestType>::paged({1, dK, dV}, 16, 10);
+    const Index seq = mode == sdpa::CacheMode::Paged ? cache.addSequence() : 0;
+    const auto lr = sdpa::mask::Align::LowerRight;
+    const auto check = [&](Index L) {
+      const Mat<float> q = kvRows(3, dK, gen);
+      if (mode == sdpa::CacheMode::Ring)
+        checkAgainstWhole(cache.sequence(seq), q, k.topRows(L), v.topRows(L), Heads{1}, sdpa::scale::InvSqrtDk{},
+                          sdpa::mask::SlidingWindow{29, 0, lr});
+      else
+        checkAgainstWhole(cache.sequence(seq), q, k.topRows(L), v.topRows(L), Heads{1}, sdpa::scale::InvSqrtDk{},
+                          sdpa::mask::Causal{lr});
+    };
+    // Rejected rows (NaN, so that any read of them shows) stay in slots past the length.
+    const Mat<float> nan = Mat<float>::Constant(6, dK, std::numeric_limits<float>::quiet_NaN());
+    cache.append(seq, k.topRows(60), v.topRows(60));
+    cache.append(seq, nan, nan);
+    cache.truncate(seq, 60);
+    CHECK(cache.length(seq) == 60);
+    check(60);
+    cache.append(seq, k.middleRows(60, 3), v.middleRows(60, 3));
+    cache.append(seq, nan.topRows(2), nan.topRows(2));
+    cache.truncate(seq, 63);
+    cache.append(seq, k.middleRows(63, 37), v.middleRows(63, 37));
+    check(100);
+  }
+}
+
+TEST_CASE("KvCache: NaN in slots a mask hides or the sequence no longer holds never reaches the output", "[kvcache]") {
+  std::mt19937_64 gen(13);
+  const Index dK = 16, dV = 16, n = 300;
+  Mat<float> k = kvRows(n, dK, gen), v = kvRows(n, dV, gen);
+  // Keys and values 0..99 NaN: outside a sliding window of the last 64 keys.
+  k.topRows(100).setConstant(std::numeric_limits<float>::quiet_NaN());
+  v.topRows(100).setConstant(std::numeric_limits<float>::infinity());
+  const auto lr = sdpa::mask::Align::LowerRight;
+  auto cache = KvCache<float>::contiguous({1, dK, dV}, n);
+  cache.append(k, v);
+  const Mat<float> q = kvRows(1, dK, gen);
+  const auto out =
+      sdpa::cachedAttention(q, cache, Heads{1}, sdpa::scale::InvSqrtDk{}, sdpa::mask::SlidingWindow{63, 0, lr});
+  CHECK(out.allFinite());
+  checkAgainstWhole(cache.sequence(0), q, k.bottomRows(200), v.bottomRows(200), Heads{1}, sdpa::scale::InvSqrtDk{},
+                    sdpa::mask::SlidingWindow{63, 0, lr});
+  // A fully hidden row: output 0, logSumExp -inf.
+  const auto none =
+      sdpa::cachedAttentionForward(q, cache, Heads{1}, sdpa::scale::InvSqrtDk{}, sdpa::mask::KeyLength{0});
+  CHECK((none.output.array() == 0.0f).all());
+  CHECK(none.logSumExp(0) == -std::numeric_limits<float>::infinity());
+  // An empty cache: the same.
+  auto empty = KvCache<float>::contiguous({1, dK, dV}, 4);
+  const auto e = sdpa::cachedAttentionForward(q, empty, Heads{1});
+  CHECK((e.output.array() == 0.0f).all());
+  CHECK(e.logSumExp(0) == -std::numeric_limits<float>::infinity());
+}
+
+TEST_CASE("KvCache: bad input is a clear error and leaves the cache unchanged", "[kvcache][errors]") {
+  std::mt19937_64 gen(17);
+  auto cache = KvCache<float>::contiguous({2, 4, 3}, 10);
+  const Mat<float> k = kvRows(8, 8, gen), v = kvRows(8, 6, gen);
+  cache.append(k, v);
+  CHECK_THROWS_WITH(cache.append(k.leftCols(7), v), Catch::Contains("k is 8x7 and v is 8x6"));
+  CHECK_THROWS_WITH(cache.append(k, v), Catch::Contains("would pass the capacity of 10 positions"));
+  CHECK(cache.length() == 8);
+  CHECK_THROWS_WITH(cache.truncate(9), Catch::Contains("outside [0, 8]"));
+  CHECK_THROWS_WITH(cache.addSequence(), Catch::Contains("only a paged cache has several sequences"));
+  CHECK_THROWS_WITH(sdpa::cachedAttention(kvRows(1, 7, gen), cache, Heads{2}),
+                    Catch::Contains("q is 1x7: 2 query heads of d_k 4 need 8 columns"));
+  CHECK_THROWS_WITH(sdpa::cachedAttention(kvRows(1, 12, gen), cache, Heads{3}),
+                    Catch::Contains("Heads{3, 3} against a cache of 2 kv heads"));
+  CHECK_THROWS_WITH(sdpa::cachedAttention(kvRows(1, 12, gen), cache, Heads{3, 2}),
+                    Catch::Contains("the kv heads must match and divide the query heads"));
+
+  auto paged = KvCache<float>::paged({1, 4, 4}, 16, 3);
+  const Index s = paged.addSequence();
+  const Mat<float> rows = kvRows(40, 4, gen);
+  paged.append(s, rows, rows);
+  CHECK(paged.freeBlocks() == 0);
+  CHECK_THROWS_WITH(paged.append(s, rows.topRows(9), rows.topRows(9)),
+                    Catch::Contains("needs 1 free blocks; the pool has 0 of 3"));
+  CHECK(paged.length(s) == 40);
+  CHECK_THROWS_WITH(paged.length(5), Catch::Contains("sequence 5 does not exist"));
+  const Index t = paged.fork(s);
+  // Writing into the shared last block needs a copy, and the pool is empty.
+  CHECK_THROWS_WITH(paged.append(t, rows.topRows(1), rows.topRows(1)), Catch::Contains("needs 1 free blocks"));
+  CHECK(paged.length(t) == 40);
+  CHECK_THROWS_WITH(KvCache<sdpa::kv::Q8>::paged({1, 4, 4}, 16, 3), Catch::Contains("multiple of 32"));
+
+  auto q8 = KvCache<sdpa::kv::Q8>::contiguous({1, 4, 4}, 64);
+  Mat<float> bad = kvRows(3, 4, gen);
+  bad(1, 2) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH(q8.append(bad, bad), Catch::Contains("quantised storage takes finite values"));
+  CHECK(q8.length() == 0);
+}
+
+TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the quantisation step", "[kvcache]",
+                   sdpa::kv::Q8, sdpa::kv::Q4) {
+  using F = TestType;
+  std::mt19937_64 gen(21);
+  const Index H = 4, Hkv = 2, dK = 64, dV = 64, n = 1000;
+  const Mat<float> k = kvRows(n, Hkv * dK, gen), v = kvRows(n, Hkv * dV, gen);
+  const Mat<float> q = kvRows(3, H * dK, gen);
+  auto cache = KvCache<F>::contiguous({Hkv, dK, dV}, n);
+  appendInChunks(cache, 0, k, v, 0, n - 13, {1, 100});  // 13 rows of a partial group stay float
+  appendInChunks(cache, 0, k, v, n - 13, n, {13});
+  const double tau = 1.0 / std::sqrt(double(dK));
+  const auto got = sdpa::cachedAttentionForward(q, cache, Heads{H, Hkv});
+  const auto exact = sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q.cast<double>(), k.cast<double>(),
+                                                     v.cast<double>(), Heads{H, Hkv});
+  // Bound: a value's error is at most step / 2, step = (max |x| of its 32-key channel block) /
+  // MaxCode rounded up to an fp16 (relative 2^-10). A logit's error is then at most
+  // delta = tau sum_c |q_c| step_kc / 2; weights move by a factor within e^{+-2 delta}, so an
+  // output moves by at most (e^{2 delta} - 1) (range of its value column) / 2, plus the values'
+  // own error, at most max step_v / 2; plus float rounding (1e-5 here).
+  const double rel = 1.0 + std::ldexp(1.0, -10);
+  for (Index h = 0; h < H; ++h) {
+    const Index kv = h / (H / Hkv);
+    for (Index i = 0; i < q.rows(); ++i) {
+      double delta = 0;
+      const Index full = n / 32 * 32;
+      for (Index g = 0; g < full / 32; ++g) {
+        double d = 0;
+        for (Index c = 0; c < dK; ++c) {
+          const double step = double(k.block(g * 32, kv * dK + c, 32, 1).cwiseAbs().maxCoeff()) / F::MaxCode * rel;
+          d += std::abs(double(q(i, h * dK + c))) * step / 2;
+        }
+        delta = std::max(delta, tau * d);
+      }
+      for (Index c = 0; c < dV; ++c) {
+        const auto col = v.col(kv * dV + c);
+        double vStep = 0;
+        for (Index g = 0; g < full / 32; ++g)
+          vStep = std::max(vStep, double(col.segment(g * 32, 32).cwiseAbs().maxCoeff()) / F::MaxCode * rel);
+        const double range = double(col.maxCoeff() - col.minCoeff());
+        const double bound = std::expm1(2 * delta) * range / 2 + vStep / 2 + 1e-5;
+        const double err = std::abs(double(got.output(i, h * dV + c)) - exact.output(i, h * dV + c));
+        INFO("head " << h << " row " << i << " column " << c << ": error " << err << ", bound " << bound);
+        CHECK(err <= bound);
+      }
+    }
+  }
+  // Beside fp16 storage of the same data (for the docs: q8 is within a few times fp16's error).
+  auto half = KvCache<Eigen::half>::contiguous({Hkv, dK, dV}, n);
+  half.append(k, v);
+  const double errQ = sdpa_test::maxAbsDiff(got.output, exact.output);
+  const double errH = sdpa_test::maxAbsDiff(sdpa::cachedAttention(q, half, Heads{H, Hkv}), exact.output);
+  INFO("max error: " << F::Bits << "-bit " << errQ << ", fp16 " << errH);
+  CHECK(errH < errQ);
+  WARN(F::Bits << "-bit K/V max |error| " << errQ << " vs fp16 K/V " << errH << " (d 64, 1000 keys, N(0, 1) data)");
+}
+
+TEST_CASE("KvCache quantised: the portable kernels give the dispatched kernels' results", "[kvcache]") {
+  std::mt19937_64 gen(23);
+  const Index dK = 40, dV = 24, n = 777;  // channels not a multiple of 16
+  const Mat<float> k = kvRows(n, 2 * dK, gen), v = kvRows(n, 2 * dV, gen), q = kvRows(5, 6 * dK, gen);
+  auto q8 = KvCache<sdpa::kv::Q8>::contiguous({2, dK, dV}, n);
+  auto q4 = KvCache<sdpa::kv::Q4>::contiguous({2, dK, dV}, n);
+  q8.append(k, v);
+  q4.append(k, v);
+  using sdpa::internal::Isa;
+  using sdpa::internal::IsaChoice;
+  const Mat<float> a8 = sdpa::cachedAttention(q, q8, Heads{6, 2}), a4 = sdpa::cachedAttention(q, q4, Heads{6, 2});
+  IsaChoice::setCap(Isa::Portable);
+  const Mat<float> b8 = sdpa::cachedAttention(q, q8, Heads{6, 2}), b4 = sdpa::cachedAttention(q, q4, Heads{6, 2});
+  IsaChoice::setCap(Isa::Amx);
+  // The same codes and scales; only the order of float additions differs.
+  CHECK(sdpa_test::maxAbsDiff(a8, b8) < 1e-5);
+  CHECK(sdpa_test::maxAbsDiff(a4, b4) < 1e-5);
+}
+
+TEMPLATE_TEST_CASE("KvCache: results do not depend on the thread count", "[kvcache][threads]", float, Eigen::half,
+                   sdpa::kv::Q8) {
+  std::mt19937_64 gen(29);
+  const Index dK = 32, dV = 32, n = 20000;  // several chunks, so several key splits
+  const Mat<float> k = kvRows(n, 2 * dK, gen), v = kvRows(n, 2 * dV, gen), q = kvRows(3, 8 * dK, gen);
+  auto paged = KvCache<TestType>::paged({2, dK, dV}, 64, n / 64 + 1);
+  const Index seq = paged.addSequence();
+  paged.append(seq, k, v);
+  const auto mask = sdpa::mask::combine(sdpa::mask::Causal{sdpa::mask::Align::LowerRight},
+                                        sdpa::mask::Alibi::standard(8, sdpa::mask::Align::LowerRight));
+  Eigen::setNbThreads(1);
+  const auto one = sdpa::cachedAttentionForward(q, paged.sequence(seq), Heads{8, 2}, sdpa::scale::InvSqrtDk{}, mask);
+  Eigen::setNbThreads(2);
+  const auto two = sdpa::cachedAttentionForward(q, paged.sequence(seq), Heads{8, 2}, sdpa::scale::InvSqrtDk{}, mask);
+  Eigen::setNbThreads(0);
+  CHECK((one.output.array() == two.output.array()).all());
+  CHECK((one.logSumExp.array() == two.logSumExp.array()).all());
+}
