@@ -189,3 +189,52 @@ TEMPLATE_TEST_CASE("char_lm: whole-model gradients through sdpa's attention  [se
     CHECK(analytic != 0.0);
   }
 }
+
+TEST_CASE("char_lm: generating through a KvCache gives the tokens and logits of recomputing every step") {
+  // Greedy decoding of a (randomly initialised) model, token by token through each cache mode,
+  // against sequenceLogits over the whole sequence at every step. 200 positions, beyond the
+  // model's T = 48 (positions wrap, as in training's windows): the ring holds the last T keys,
+  // its reference is a sliding window of T keys; the others attend to the whole sequence.
+  char_lm::ModelConfig cfg;
+  cfg.vocab = 29;
+  cfg.seqLen = 48;
+  cfg.dModel = 32;
+  cfg.heads = 4;
+  std::mt19937_64 gen(3);
+  const char_lm::Model<double, sdpa::scale::InvSqrtDk> model(cfg, sdpa::scale::InvSqrtDk{}, gen);
+  const Index prompt = 12, total = 200, dK = cfg.headDim();
+  const sdpa::CacheShape shape{cfg.heads, dK, dK};
+  const auto lr = sdpa::mask::Align::LowerRight, ul = sdpa::mask::Align::UpperLeft;
+  for (const auto mode : {sdpa::CacheMode::Contiguous, sdpa::CacheMode::Ring, sdpa::CacheMode::Paged}) {
+    const bool ring = mode == sdpa::CacheMode::Ring;
+    DYNAMIC_SECTION((ring ? "ring" : mode == sdpa::CacheMode::Paged ? "paged" : "contiguous")) {
+      auto cache = mode == sdpa::CacheMode::Contiguous ? sdpa::KvCache<double>::contiguous(shape, total)
+                   : ring                              ? sdpa::KvCache<double>::ring(shape, cfg.seqLen, 1)
+                                                       : sdpa::KvCache<double>::paged(shape, 16, total / 16 + 1);
+      const Index seq = mode == sdpa::CacheMode::Paged ? cache.addSequence() : 0;
+      std::vector<int> tokens;
+      Mat logits;
+      double worst = 0;
+      for (Index t = 0; t < total; ++t) {
+        int next = int((t * 7) % cfg.vocab);  // the prompt
+        if (t >= prompt) logits.row(0).maxCoeff(&next);
+        tokens.push_back(next);
+        logits = ring ? model.decodeStep(next, cache, seq, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, lr})
+                      : model.decodeStep(next, cache, seq, sdpa::mask::Causal{lr});
+        const Mat whole = ring ? model.sequenceLogits(tokens, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, ul})
+                               : model.sequenceLogits(tokens, sdpa::mask::Causal{ul});
+        const Mat last = whole.bottomRows(1);
+        worst = std::max(worst, (logits - last).cwiseAbs().maxCoeff() / std::max(1.0, last.cwiseAbs().maxCoeff()));
+        Index a = 0, b = 0;
+        logits.row(0).maxCoeff(&a);
+        last.row(0).maxCoeff(&b);
+        REQUIRE(a == b);  // the same greedy token
+      }
+      INFO("largest logit difference, relative: " << worst);
+      // Double precision: the two computations differ by rounding only (sums in another order).
+      CHECK(worst < 1e-12);
+      CHECK(cache.length(seq) == total);
+      if (ring) CHECK(cache.firstPosition() == total - cfg.seqLen);
+    }
+  }
+}

@@ -98,6 +98,44 @@ class Model {
   }
 
   /// Loss only (no gradient buffers kept).
+  /**
+   * Logits (n x V) of one sequence of tokens, position t's embedding wpe[t mod T] (as training's
+   * windows), attention over the whole sequence under `mask` (Causal, or a SlidingWindow of T
+   * keys for sequences longer than the T positions the model was trained on): the reference
+   * that decodeStep's token-by-token computation must give.
+   */
+  template <typename Mask>
+  Matrix<Scalar> sequenceLogits(const std::vector<int>& tokens, const Mask& mask) const {
+    Matrix<Scalar> x0, h1, q, k, v;
+    LayerNormCache<Scalar> ln;
+    embeddingForward(tokens, m_config.seqLen, p(kWte), p(kWpe), x0);
+    layerNormForward(x0, p(kLn1g), p(kLn1b), h1, ln);
+    linearForward(h1, p(kWq), p(kBq), q);
+    linearForward(h1, p(kWk), p(kBk), k);
+    linearForward(h1, p(kWv), p(kBv), v);
+    return afterAttention(x0, sdpa::multiHeadAttention(q, k, v, heads(), m_scale, mask));
+  }
+
+  /**
+   * One token of decoding: appends its k and v to `cache` (this layer's, sequence `seq`), attends
+   * its query to the cache under `mask` (LowerRight-aligned: the token is the cache's newest
+   * position) and returns its logits (1 x V). O(cache length) per token instead of
+   * sequenceLogits's O(n^2).
+   */
+  template <typename Storage, typename Mask>
+  Matrix<Scalar> decodeStep(int token, sdpa::KvCache<Storage>& cache, Index seq, const Mask& mask) const {
+    const Index pos = cache.length(seq);
+    Matrix<Scalar> x0 = p(kWte).row(token) + p(kWpe).row(pos % m_config.seqLen), h1, q, k, v;
+    LayerNormCache<Scalar> ln;
+    layerNormForward(x0, p(kLn1g), p(kLn1b), h1, ln);
+    linearForward(h1, p(kWq), p(kBq), q);
+    linearForward(h1, p(kWk), p(kBk), k);
+    linearForward(h1, p(kWv), p(kBv), v);
+    cache.append(seq, k, v);
+    const auto attn = sdpa::cachedAttention(q, cache.sequence(seq), heads(), m_scale, mask);
+    return afterAttention(x0, attn.template cast<Scalar>());
+  }
+
   double loss(const std::vector<int>& tokens, const std::vector<int>& targets) {
     forward(tokens, targets);
     return crossEntropy<Scalar>(m_logits, targets, nullptr);
@@ -178,6 +216,22 @@ class Model {
     kBout
   };
   const Matrix<Scalar>& p(int i) const { return m_params[size_t(i)].value; }
+
+  /// forward's lines after the attention (without the caches the backward needs): the logits.
+  Matrix<Scalar> afterAttention(const Matrix<Scalar>& x0, const Matrix<Scalar>& attn) const {
+    Matrix<Scalar> x1, h2, u, gl, x2, hf, logits;
+    LayerNormCache<Scalar> ln;
+    linearForward(attn, p(kWo), p(kBo), x1);
+    x1 += x0;
+    layerNormForward(x1, p(kLn2g), p(kLn2b), h2, ln);
+    linearForward(h2, p(kW1), p(kB1), u);
+    geluForward(u, gl);
+    linearForward(gl, p(kW2), p(kB2), x2);
+    x2 += x1;
+    layerNormForward(x2, p(kLnfg), p(kLnfb), hf, ln);
+    linearForward(hf, p(kWout), p(kBout), logits);
+    return logits;
+  }
   Matrix<Scalar>& g(int i) { return m_params[size_t(i)].grad; }
 
   ModelConfig m_config;

@@ -6,10 +6,12 @@
 //   cmake --preset release && cmake --build --preset release --target char_lm
 //   build/release/experiments/char_lm/char_lm --out char_lm_out        # the full run, ~10 min
 //   build/release/experiments/char_lm/char_lm --quick --out /tmp/quick  # a smoke run, seconds
+//   build/release/experiments/char_lm/char_lm --only dk64-scaled --generate 400   # + text, KvCache
 //
 // Writes into --out: summary.md / summary.csv (final figures), heads.csv (per head), for each run
 // runs/<name>/train.csv (every step), eval.csv (every evaluation) and attention.svg (heat maps of
-// a fixed validation sample), and the figures loss_curves.svg and dynamics.svg.
+// a fixed validation sample), and the figures loss_curves.svg and dynamics.svg; with --generate N,
+// runs/<name>/generated.txt: N characters generated token by token through a sdpa::KvCache.
 #include <sdpa/sdpa.hpp>
 
 #include <algorithm>
@@ -56,14 +58,15 @@ struct Options {
   long evalEvery = 0;  // 0: twice per epoch
   Index evalBatches = 8;
   bool quick = false;
-  std::string only;  // run names containing this substring
+  std::string only;   // run names containing this substring
+  long generate = 0;  // characters each trained model generates through a KvCache (generated.txt)
 };
 
 [[noreturn]] void usage(const std::string& error) {
   std::cerr << "char_lm: " << error << "\n"
             << "usage: char_lm [--text FILE]... [--out DIR] [--epochs E | --steps N] [--batch B] [--seq T]\n"
             << "               [--lr LR] [--weight-decay WD] [--clip NORM] [--qk-gain G] [--seed S] [--jobs J]\n"
-            << "               [--eval-every N] [--only SUBSTRING] [--quick]\n";
+            << "               [--eval-every N] [--only SUBSTRING] [--generate N] [--quick]\n";
   std::exit(2);
 }
 
@@ -106,6 +109,8 @@ Options parse(int argc, char** argv) {
         o.only = next();
       else if (a == "--quick")
         o.quick = true;
+      else if (a == "--generate")
+        o.generate = std::stol(next());
       else if (a == "--help" || a == "-h")
         usage("help");
       else
@@ -115,6 +120,7 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.quick) {  // every code path, little arithmetic: the CI smoke run, also under sanitizers
+    if (o.generate == 0) o.generate = 40;
     o.steps = 12;
     o.batch = 2;
     o.seqLen = 16;
@@ -242,6 +248,43 @@ void window(const std::vector<int>& text, const std::vector<size_t>& offsets, In
 }
 
 std::mutex g_printMutex;
+
+/**
+ * Greedy generation of o.generate characters after a prompt (the validation text's first T / 2),
+ * token by token through a sdpa::KvCache ring of the model's T positions (sliding-window
+ * attention: generation runs past the T positions of training, whose embeddings wrap as its
+ * windows' do). Every 16th token and the last, the logits are checked against recomputing the
+ * whole sequence (Model::sequenceLogits); writes generated.txt and prints the largest difference.
+ */
+template <typename Model>
+void generate(const Model& model, const Corpus& corpus, const Options& o, const std::string& name,
+              const fs::path& dir) {
+  const Index T = o.seqLen, dK = model.config().headDim();
+  auto cache = sdpa::KvCache<float>::ring({model.config().heads, dK, dK}, T, 1);
+  const auto lr = sdpa::mask::Align::LowerRight;
+  std::vector<int> tokens(corpus.val.begin(), corpus.val.begin() + long(T / 2));
+  char_lm::Matrix<float> logits;
+  for (int t : tokens) logits = model.decodeStep(t, cache, 0, sdpa::mask::SlidingWindow{T - 1, 0, lr});
+  double worst = 0;
+  for (long i = 0; i < o.generate; ++i) {
+    int next = 0;
+    logits.row(0).maxCoeff(&next);
+    tokens.push_back(next);
+    logits = model.decodeStep(next, cache, 0, sdpa::mask::SlidingWindow{T - 1, 0, lr});
+    if (i % 16 == 15 || i + 1 == o.generate) {
+      const char_lm::Matrix<float> whole =
+          model.sequenceLogits(tokens, sdpa::mask::SlidingWindow{T - 1, 0, sdpa::mask::Align::UpperLeft});
+      worst = std::max(worst, double((whole.bottomRows(1) - logits).cwiseAbs().maxCoeff()));
+    }
+  }
+  std::string text;
+  for (size_t i = size_t(T / 2); i < tokens.size(); ++i) text += corpus.alphabet[size_t(tokens[i])];
+  std::ofstream(dir / "generated.txt") << text << "\n";
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  const std::lock_guard<std::mutex> lock(g_printMutex);
+  std::printf("%s: %ld characters through a KvCache ring of %ld (largest |logit - recomputed| %.2g): %.60s...\n",
+              name.c_str(), o.generate, long(T), worst, text.c_str());
+}
 
 template <typename Scale>
 RunResult train(const RunSpec& spec, Scale scale, const Corpus& corpus, const Options& o, long steps, long evalEvery,
@@ -379,6 +422,7 @@ RunResult train(const RunSpec& spec, Scale scale, const Corpus& corpus, const Op
       spec.name + " (d_k = " + std::to_string(dk) + ", tau = " + char_lm::svg::num(model.tau()) +
           ") rows: queries, columns: keys of \"" + sample + "\"",
       cfg.seqLen >= 48 ? 4 : 6);
+  if (o.generate > 0) generate(model, corpus, o, spec.name, dir);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
 }
