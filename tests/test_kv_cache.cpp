@@ -339,7 +339,8 @@ TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the q
   const auto exact = sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q.cast<double>(), k.cast<double>(),
                                                      v.cast<double>(), Heads{H, Hkv});
   // Bound: a value's error is at most step / 2, step = (max |x| of its 32-key channel block) /
-  // MaxCode rounded up to an fp16 (relative 2^-10). A logit's error is then at most
+  // MaxCode rounded up to an fp16 (relative 2^-10); q8 keys' logits also round the query row's
+  // weights to int16 (kv_quant.hpp: at most d 127 ws / 2). A logit's error is then at most
   // delta = tau sum_c |q_c| step_kc / 2; weights move by a factor within e^{+-2 delta}, so an
   // output moves by at most (e^{2 delta} - 1) (range of its value column) / 2, plus the values'
   // own error, at most max step_v / 2; plus float rounding (1e-5 here).
@@ -351,11 +352,14 @@ TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the q
       const Index full = n / 32 * 32;
       for (Index g = 0; g < full / 32; ++g) {
         double d = 0;
+        double wMax = 0;  // q8 keys: max_c |tau q_c scale_c|, whose int16 rounding adds d 127 (wMax / 32767) / 2
         for (Index c = 0; c < dK; ++c) {
           const double step = double(k.block(g * 32, kv * dK + c, 32, 1).cwiseAbs().maxCoeff()) / F::MaxCode * rel;
           d += std::abs(double(q(i, h * dK + c))) * step / 2;
+          wMax = std::max(wMax, tau * std::abs(double(q(i, h * dK + c))) * step);
         }
-        delta = std::max(delta, tau * d);
+        const double intRounding = F::Bits == 8 ? double(dK) * 127.0 * (wMax / 32767.0) / 2 * rel : 0.0;
+        delta = std::max(delta, tau * d + intRounding);
       }
       for (Index c = 0; c < dV; ++c) {
         const auto col = v.col(kv * dV + c);
@@ -382,7 +386,7 @@ TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the q
 
 TEST_CASE("KvCache quantised: the portable kernels give the dispatched kernels' results", "[kvcache]") {
   std::mt19937_64 gen(23);
-  const Index dK = 40, dV = 24, n = 777;  // channels not a multiple of 16
+  const Index dK = 41, dV = 24, n = 777;  // channels not a multiple of 16, an odd d_k (a padded pair)
   const Mat<float> k = kvRows(n, 2 * dK, gen), v = kvRows(n, 2 * dV, gen), q = kvRows(5, 6 * dK, gen);
   auto q8 = KvCache<sdpa::kv::Q8>::contiguous({2, dK, dV}, n);
   auto q4 = KvCache<sdpa::kv::Q4>::contiguous({2, dK, dV}, n);

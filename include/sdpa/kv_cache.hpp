@@ -233,7 +233,7 @@ class KvCache {
           unsigned char* page = writablePage(s, pos - t);
           const Index slot = (pos - t) % m_rows;
           for (Index h = 0; h < H; ++h) {
-            internal::quant::quantiseGroup<Storage>(s.tailK.data() + h * dK * G, G, dK, kGroupAt(page, h, slot));
+            internal::quant::quantiseGroup<Storage, true>(s.tailK.data() + h * dK * G, G, dK, kGroupAt(page, h, slot));
             internal::quant::quantiseGroup<Storage>(s.tailV.data() + h * dV * G, G, dV, vGroupAt(page, h, slot));
           }
         }
@@ -275,7 +275,7 @@ class KvCache {
         const Index slot = keep % m_rows;
         const Index H = m_shape.kvHeads, dK = m_shape.dK, dV = m_shape.dV;
         for (Index h = 0; h < H; ++h) {
-          internal::quant::dequantiseGroup<Storage>(kGroupAt(page, h, slot), dK, s.tailK.data() + h * dK * G, G);
+          internal::quant::dequantiseGroup<Storage, true>(kGroupAt(page, h, slot), dK, s.tailK.data() + h * dK * G, G);
           internal::quant::dequantiseGroup<Storage>(vGroupAt(page, h, slot), dV, s.tailV.data() + h * dV * G, G);
         }
       }
@@ -341,7 +341,7 @@ class KvCache {
   KvCache(CacheMode mode, const CacheShape& shape, Index rows, Index blocks, Index capacity, Index window)
       : m_mode(mode), m_shape(shape), m_rows(rows), m_capacity(capacity), m_window(window) {
     if constexpr (IsQuantised) {
-      m_kBytes = rows / internal::quant::kGroup * internal::quant::groupBytes<Storage>(shape.dK);
+      m_kBytes = rows / internal::quant::kGroup * internal::quant::groupBytes<Storage, true>(shape.dK);
       m_vBytes = rows / internal::quant::kGroup * internal::quant::groupBytes<Storage>(shape.dV);
     } else {
       m_kBytes = rows * shape.dK * Index(sizeof(Storage));
@@ -449,7 +449,8 @@ class KvCache {
 
   template <typename Page>
   Page* kGroupAt(Page* page, Index h, Index slot) const {
-    return page + h * m_headBytes + slot / internal::quant::kGroup * internal::quant::groupBytes<Storage>(m_shape.dK);
+    return page + h * m_headBytes +
+           slot / internal::quant::kGroup * internal::quant::groupBytes<Storage, true>(m_shape.dK);
   }
   template <typename Page>
   Page* vGroupAt(Page* page, Index h, Index slot) const {

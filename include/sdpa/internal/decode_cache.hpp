@@ -231,7 +231,7 @@ struct decode_cache_impl {
   static Index chunkKeys(Index dK, Index dV) {
     double perKey;
     if constexpr (kQuantised)
-      perKey = double(quant::groupBytes<Storage>(dK) + quant::groupBytes<Storage>(dV)) / double(quant::kGroup);
+      perKey = double(quant::groupBytes<Storage, true>(dK) + quant::groupBytes<Storage>(dV)) / double(quant::kGroup);
     else
       perKey = double((dK + dV) * Index(sizeof(Plain)));
     return std::clamp<Index>(Index(double(Index(1) << 19) / perKey) / 32 * 32, 256, 8192);
@@ -286,7 +286,7 @@ struct decode_cache_impl {
         p.count -= take;
         if constexpr (kQuantised) {
           if (p.quantised) {
-            p.k += take / quant::kGroup * quant::groupBytes<Storage>(dK);
+            p.k += take / quant::kGroup * quant::groupBytes<Storage, true>(dK);
             p.v += take / quant::kGroup * quant::groupBytes<Storage>(dV);
             continue;
           }
@@ -442,12 +442,12 @@ struct decode_cache_impl {
         if (!p.quantised) continue;
         const unsigned char* g0 = p.k + h * p.kHead;
         for (Index g = 0; g < p.count / quant::kGroup; ++g)
-          sc.groups.push_back(g0 + g * quant::groupBytes<Storage>(dK));
+          sc.groups.push_back(g0 + g * quant::groupBytes<Storage, true>(dK));
         offset += p.count;
       }
       if (!sc.groups.empty())
         quant::logitsGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dK, sc.rowsS.data(),
-                                     sc.as.get(R * dK));
+                                     sc.as.get(R * (dK + 2) + dK));
     }
     for (Index t = chunk.first; t < chunk.last; ++t) {
       const Piece& p = plan.cut[size_t(t)];
@@ -526,8 +526,8 @@ struct decode_cache_impl {
         offset += p.count;
       }
       if (!sc.groups.empty()) {
-        quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV,
-                                     sc.rowsD.data());
+        quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV, sc.rowsD.data(),
+                                     sc.acc.get(64 * dV));
         any = true;
       }
     }

@@ -54,10 +54,31 @@ inline constexpr Index kGroup = 32;
 template <typename F>
 inline constexpr Index kCodeBytes = F::Bits* kGroup / 8;
 
-/// Bytes of a group of d channels: d fp16 scales, then the codes.
-template <typename F>
+/// Whether a group keeps its codes in channel pairs: q8 keys, whose logits are integer dot
+/// products over pairs of channels (each key's codes of channels 2p and 2p + 1 adjacent: 64 bytes
+/// per pair, an odd d padded with a zero channel). Else channel by channel.
+template <typename F, bool Keys>
+inline constexpr bool kPaired = Keys&& F::Bits == 8;
+
+/// Bytes of a group of d channels: d fp16 scales, then the codes (of keys, or of values).
+template <typename F, bool Keys = false>
 Index groupBytes(Index d) {
-  return d * Index(sizeof(std::uint16_t) + kCodeBytes<F>);
+  if constexpr (kPaired<F, Keys>)
+    return d * Index(sizeof(std::uint16_t)) + (d + 1) / 2 * 2 * kGroup;
+  else
+    return d * Index(sizeof(std::uint16_t) + kCodeBytes<F>);
+}
+
+/// Where key i (< 32) of channel c has its code byte (q8), or its nibble's byte (q4).
+template <typename F, bool Keys>
+Index codeOffset(Index d, Index i, Index c) {
+  const Index base = d * Index(sizeof(std::uint16_t));
+  if constexpr (kPaired<F, Keys>)
+    return base + c / 2 * 2 * kGroup + 2 * i + (c & 1);
+  else if constexpr (F::Bits == 8)
+    return base + c * kCodeBytes<F> + i;
+  else
+    return base + c * kCodeBytes<F> + i % (kGroup / 2);
 }
 
 /// The smallest fp16 scale >= absmax / maxCode: then |x| / scale <= maxCode for every x of the
@@ -82,53 +103,74 @@ constexpr float maxMagnitude() {
 }
 
 /// Writes one group: x holds 32 keys x d channels column-major (channel c at x + c ldx).
-template <typename F>
+template <typename F, bool Keys = false>
 void quantiseGroup(const float* x, Index ldx, Index d, unsigned char* group) {
-  auto* scales = group;
-  unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
+  std::memset(group, 0, size_t(groupBytes<F, Keys>(d)));  // (a paired odd d's padding channel: 0)
   for (Index c = 0; c < d; ++c) {
     const float* col = x + c * ldx;
     float absmax = 0.0f;
     for (Index i = 0; i < kGroup; ++i) absmax = std::max(absmax, std::abs(col[i]));
     const std::uint16_t bits = scaleFor(absmax, F::MaxCode);
-    std::memcpy(scales + c * Index(sizeof bits), &bits, sizeof bits);
+    std::memcpy(group + c * Index(sizeof bits), &bits, sizeof bits);
     const float scale = halfBits(bits);
-    int code[kGroup];
     for (Index i = 0; i < kGroup; ++i) {
       // x / scale rounded, not x * (1 / scale): the bound |x - scale code| <= scale / 2 needs the
       // exact quotient's rounding (and |x / scale| <= MaxCode holds by scaleFor).
       const float t = scale > 0.0f ? col[i] / scale : 0.0f;
-      code[i] = std::clamp(int(std::lround(t)), -F::MaxCode, F::MaxCode);
-    }
-    unsigned char* out = codes + c * kCodeBytes<F>;
-    if constexpr (F::Bits == 8) {
-      for (Index i = 0; i < kGroup; ++i) out[i] = static_cast<unsigned char>(static_cast<std::int8_t>(code[i]));
-    } else {
-      for (Index i = 0; i < kGroup / 2; ++i)
-        out[i] = static_cast<unsigned char>((code[i] + 8) | ((code[i + kGroup / 2] + 8) << 4));
+      const int code = std::clamp(int(std::lround(t)), -F::MaxCode, F::MaxCode);
+      unsigned char* out = group + codeOffset<F, Keys>(d, i, c);
+      if constexpr (F::Bits == 8)
+        *out = static_cast<unsigned char>(code & 0xFF);  // two's complement
+      else
+        *out = static_cast<unsigned char>(*out | ((code + 8) << (i < kGroup / 2 ? 0 : 4)));
     }
   }
 }
 
 /// The value of key i (< 32), channel c of a group.
-template <typename F>
+template <typename F, bool Keys = false>
 float dequantised(const unsigned char* group, Index d, Index i, Index c) {
   std::uint16_t bits;
   std::memcpy(&bits, group + c * Index(sizeof bits), sizeof bits);
-  const unsigned char* codes = group + d * Index(sizeof bits) + c * kCodeBytes<F>;
+  const unsigned char byte = group[codeOffset<F, Keys>(d, i, c)];
   int code;
   if constexpr (F::Bits == 8)
-    code = int(codes[i]) - (codes[i] >= 128 ? 256 : 0);  // the byte's two's-complement value
+    code = int(byte) - (byte >= 128 ? 256 : 0);  // the byte's two's-complement value
   else
-    code = (i < kGroup / 2 ? (codes[i] & 0xF) : (codes[i - kGroup / 2] >> 4)) - 8;
+    code = (i < kGroup / 2 ? (byte & 0xF) : (byte >> 4)) - 8;
   return halfBits(bits) * float(code);
 }
 
 /// Reads a group back into x (32 x d column-major, channel c at x + c ldx).
-template <typename F>
+template <typename F, bool Keys = false>
 void dequantiseGroup(const unsigned char* group, Index d, float* x, Index ldx) {
   for (Index c = 0; c < d; ++c)
-    for (Index i = 0; i < kGroup; ++i) x[i + c * ldx] = dequantised<F>(group, d, i, c);
+    for (Index i = 0; i < kGroup; ++i) x[i + c * ldx] = dequantised<F, Keys>(group, d, i, c);
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8 keys: integer logits. A query row's weights of a group, w_c = a_c scale_gc, become int16
+// W_c = round(w_c / ws), ws = max_c |w_c| / 32767; the group's logits are then ws times exact
+// int32 sums sum_c W_c code_gic (|sum| <= 32767 127 d < 2^31 for d <= 512: channels in blocks of
+// 256), one fused multiply-add per key into s. Against w itself each W_c is off by at most ws / 2,
+// a logit by at most d 127 ws / 2 (1/258 of the keys' own quantisation bound at d 1, less per
+// channel). The same integers and float steps on every path: bitwise the same results.
+
+/// Channels per block of exact int32 sums.
+inline constexpr Index kIntChannels = 256;
+
+/// W (d rounded up to even, the padding 0) and ws of one row of one group (portable; the
+/// AVX-512 version computes the same floats).
+inline float int16Weights(const float* a, const std::uint16_t* scales, Index d, std::int16_t* W, float* w) {
+  float m = 0.0f;
+  for (Index c = 0; c < d; ++c) {
+    w[c] = a[c] * halfBits(scales[c]);
+    m = std::max(m, std::abs(w[c]));
+  }
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  for (Index c = 0; c < d; ++c) W[c] = std::int16_t(std::nearbyint(w[c] * inv));
+  if (d & 1) W[d] = 0;
+  return m / 32767.0f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -136,7 +178,7 @@ void dequantiseGroup(const unsigned char* group, Index d, float* x, Index ldx) {
 //   logits  s[r][32 g + i] += sum_c (a[r][c] scale_gc) code_gic   (channels in order)
 //   values  dots[r][c] = sum_g scale_gc sum_i p[r][32 g + i] code_gic
 // Every row's arithmetic is the same whatever rows share the pass (a GQA group's heads or one
-// head alone), as decodeLogitsRows's. `as` is scratch of R x d floats.
+// head alone), as decodeLogitsRows's. `as` is scratch of R (d + 2) + d floats.
 
 /// The portable kernels (any CPU; the compiler vectorises what it can).
 template <typename F>
@@ -166,6 +208,35 @@ void logitsGroupsPortable(const float* const* a, Index R, const unsigned char* c
         }
       }
     }
+  }
+}
+
+/// q8 keys' logits (paired codes), portable: as the AVX-512 kernel, to the bit.
+/// as: scratch of R (d + 2) + d floats.
+inline void logitsPairedPortable(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d,
+                                 float* const* s, float* as) {
+  float* ws = as;
+  float* w = as + R;
+  auto* W = reinterpret_cast<std::int16_t*>(as + R + d);
+  const Index pairs = (d + 1) / 2, dp = 2 * pairs;
+  for (Index g = 0; g < n; ++g) {
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
+    const unsigned char* codes = groups[g] + d * Index(sizeof(std::uint16_t));
+    for (Index r = 0; r < R; ++r) ws[r] = int16Weights(a[r], scales, d, W + r * dp, w);
+    for (Index r = 0; r < R; ++r)
+      for (Index p0 = 0; p0 < pairs; p0 += kIntChannels / 2) {
+        const Index p1 = std::min(pairs, p0 + kIntChannels / 2);
+        std::int32_t acc[kGroup] = {};
+        for (Index p = p0; p < p1; ++p) {
+          const std::int16_t* wp = W + r * dp + 2 * p;
+          const unsigned char* cp = codes + p * 2 * kGroup;
+          for (Index i = 0; i < kGroup; ++i)
+            acc[i] += std::int32_t(wp[0]) * (int(cp[2 * i]) - (cp[2 * i] >= 128 ? 256 : 0)) +
+                      std::int32_t(wp[1]) * (int(cp[2 * i + 1]) - (cp[2 * i + 1] >= 128 ? 256 : 0));
+        }
+        float* out = s[r] + g * kGroup;
+        for (Index i = 0; i < kGroup; ++i) out[i] = std::fma(ws[r], float(acc[i]), out[i]);
+      }
   }
 }
 
@@ -305,13 +376,15 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
   }
 }
 
-/// dots for Rows rows and Cols channels from c0, over every group.
-template <typename F, int Rows, int Cols>
-SDPA_QUANT_TARGET void valuesBlock(const float* const* p, const unsigned char* const* groups, Index n, Index d,
-                                   Index c0, float* const* dots) {
-  __m512 acc[Rows][Cols];
-  for (int m = 0; m < Rows; ++m)
-    for (int c = 0; c < Cols; ++c) acc[m][c] = _mm512_setzero_ps();
+/// dots for Rows rows over every group, group by group: each group read once, in order, with
+/// the partial sums of every (row, channel) in memory (acc: Rows d packets, in L1). A loop over
+/// channel blocks outside the groups would stride through memory once per block, 256 bytes of
+/// each 4 KiB group at a time, which the hardware prefetcher does not follow (0.5 ms of a 0.9 ms
+/// q8 decode at n_k 65536, d 128). Per (row, channel) the same sums in the same order.
+template <typename F, int Rows>
+SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
+                                  float* const* dots, float* acc) {
+  for (Index i = 0; i < Rows * d * 16; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
   const Index codeBase = d * Index(sizeof(std::uint16_t));
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
@@ -321,53 +394,48 @@ SDPA_QUANT_TARGET void valuesBlock(const float* const* p, const unsigned char* c
       p0[m] = _mm512_loadu_ps(p[m] + g * kGroup);
       p1[m] = _mm512_loadu_ps(p[m] + g * kGroup + 16);
     }
-    // The block's scales converted at once (a broadcast from memory then costs no shuffle).
-    alignas(32) float sc8[8];
-    if constexpr (Cols == 8) {
-      _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
-    } else {
-      for (int c = 0; c < Cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
-    }
-    for (int c = 0; c < Cols; ++c) {
-      __m512 x0, x1;
-      load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x0, x1);
-      const __m512 sc = _mm512_set1_ps(sc8[c]);
-      for (int m = 0; m < Rows; ++m) {
-        const __m512 t = _mm512_fmadd_ps(p1[m], x1, _mm512_mul_ps(p0[m], x0));
-        acc[m][c] = _mm512_fmadd_ps(sc, t, acc[m][c]);
+    for (Index c0 = 0; c0 < d; c0 += 8) {
+      const Index cols = std::min<Index>(8, d - c0);
+      // Eight scales converted at once (a broadcast from memory then costs no shuffle).
+      alignas(32) float sc8[8];
+      if (cols == 8)
+        _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
+      else
+        for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
+      for (Index c = 0; c < cols; ++c) {
+        __m512 x0, x1;
+        load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x0, x1);
+        const __m512 sc = _mm512_set1_ps(sc8[c]);
+        for (int m = 0; m < Rows; ++m) {
+          const __m512 t = _mm512_fmadd_ps(p1[m], x1, _mm512_mul_ps(p0[m], x0));
+          float* a = acc + (m * d + c0 + c) * 16;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(sc, t, _mm512_loadu_ps(a)));
+        }
       }
     }
   }
   for (int m = 0; m < Rows; ++m)
-    for (int c = 0; c < Cols; ++c) dots[m][c0 + c] = _mm512_reduce_add_ps(acc[m][c]);
+    for (Index c = 0; c < d; ++c) dots[m][c] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (m * d + c) * 16));
 }
 
-template <typename F, int Rows>
-SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
-                                  float* const* dots) {
-  constexpr int kCols = Rows <= 2 ? 8 : 4;
-  Index c0 = 0;
-  for (; c0 + kCols <= d; c0 += kCols) valuesBlock<F, Rows, kCols>(p, groups, n, d, c0, dots);
-  for (; c0 < d; ++c0) valuesBlock<F, Rows, 1>(p, groups, n, d, c0, dots);
-}
-
+/// acc: scratch of 4 d packets (64 d floats).
 template <typename F>
 SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n,
-                                    Index d, float* const* dots) {
+                                    Index d, float* const* dots, float* acc) {
   constexpr Index kRows = 4;
   for (Index r0 = 0; r0 < R; r0 += kRows) {
     switch (std::min(kRows, R - r0)) {
       case 1:
-        valuesRows<F, 1>(p + r0, groups, n, d, dots + r0);
+        valuesRows<F, 1>(p + r0, groups, n, d, dots + r0, acc);
         break;
       case 2:
-        valuesRows<F, 2>(p + r0, groups, n, d, dots + r0);
+        valuesRows<F, 2>(p + r0, groups, n, d, dots + r0, acc);
         break;
       case 3:
-        valuesRows<F, 3>(p + r0, groups, n, d, dots + r0);
+        valuesRows<F, 3>(p + r0, groups, n, d, dots + r0, acc);
         break;
       default:
-        valuesRows<F, 4>(p + r0, groups, n, d, dots + r0);
+        valuesRows<F, 4>(p + r0, groups, n, d, dots + r0, acc);
         break;
     }
   }
@@ -375,28 +443,74 @@ SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsign
 
 #undef SDPA_QUANT_TARGET
 
+// q8 keys' integer logits, compiled twice: AVX512BW (vpmaddwd + vpaddd) and AVX512_VNNI
+// (vpdpwssd); each its own target, so that no VNNI instruction reaches a CPU without it.
+// clang-format off
+#define SDPA_PAIRED_NS bw
+#define SDPA_PAIRED_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define SDPA_PAIRED_DOT(acc, x, w) _mm512_add_epi32(acc, _mm512_madd_epi16(x, w))
+#include "kv_quant_paired.inc"
+#undef SDPA_PAIRED_NS
+#undef SDPA_PAIRED_TARGET
+#undef SDPA_PAIRED_DOT
+#define SDPA_PAIRED_NS vnni
+#define SDPA_PAIRED_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define SDPA_PAIRED_DOT(acc, x, w) _mm512_dpwssd_epi32(acc, x, w)
+#include "kv_quant_paired.inc"
+#undef SDPA_PAIRED_NS
+#undef SDPA_PAIRED_TARGET
+#undef SDPA_PAIRED_DOT
+// clang-format on
+
 }  // namespace avx512
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 #endif
 
-/// The decoding logits over n groups (see above), on the CPU's fastest path.
+/// 0: no AVX512BW; 1: AVX512BW; 2: AVX512BW and AVX512_VNNI (the integer key logits' paths).
+inline int intDotIsa() {
+#if SDPA_HAS_ISA_DISPATCH
+  static const int isa = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512bw")) return 0;
+    return __builtin_cpu_supports("avx512vnni") ? 2 : 1;
+  }();
+  return IsaChoice::current() >= Isa::Avx512 ? isa : 0;
+#else
+  return 0;
+#endif
+}
+
+/// The decoding logits over n groups of keys (see above), on the CPU's fastest path; q8 keys
+/// (paired codes) as integer dot products. as: scratch of R (d + 2) + d floats.
 template <typename F>
 void logitsGroups(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d, float* const* s,
                   float* as) {
+  if constexpr (kPaired<F, true>) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (IsaChoice::current() >= Isa::Avx512) return avx512::logitsGroups<F>(a, R, groups, n, d, s, as);
+    const int isa = intDotIsa();
+    if (isa == 2) return avx512::vnni::logitsPaired(a, R, groups, n, d, s, as);
+    if (isa == 1) return avx512::bw::logitsPaired(a, R, groups, n, d, s, as);
 #endif
-  logitsGroupsPortable<F>(a, R, groups, n, d, s, as);
+    logitsPairedPortable(a, R, groups, n, d, s, as);
+  } else {
+#if SDPA_HAS_ISA_DISPATCH
+    if (IsaChoice::current() >= Isa::Avx512) return avx512::logitsGroups<F>(a, R, groups, n, d, s, as);
+#endif
+    logitsGroupsPortable<F>(a, R, groups, n, d, s, as);
+  }
 }
 
-/// The decoding weighted values over n groups (see above), on the CPU's fastest path.
+/// The decoding weighted values over n groups (see above), on the CPU's fastest path. acc:
+/// scratch of 64 d floats.
 template <typename F>
 void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
-                  float* const* dots) {
+                  float* const* dots, float* acc) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots);
+  if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots, acc);
+#else
+  (void)acc;
 #endif
   valuesGroupsPortable<F>(p, R, groups, n, d, dots);
 }
