@@ -2,15 +2,16 @@
 #define SDPA_INTERNAL_KV_QUANT_HPP
 
 // Quantised k and v of a KvCache (int8 and 4-bit codes with an fp16 scale per block of 32
-// values, the sizes of ggml's q8_0 and q4_0) and the decoding products that read them with the
-// dequantisation in registers. A block is 32 consecutive keys of one channel: the cache stores
-// each head's k and v column-major (a channel's keys contiguous), the layout the decoding
-// kernels stream, and a channel's scale also follows the per-channel outliers of k (KIVI, Liu
-// et al. 2024).
+// values, the sizes of ggml's q8_0 and q4_0) and the decoding products that read them without a
+// dequantised copy: q8 keys' logits as exact integer dot products, the rest widened to fp32 in
+// registers. A block is 32 consecutive keys of one channel: the cache stores each head's k and
+// v column-major (a channel's keys contiguous), the layout the decoding kernels stream, and a
+// channel's scale also follows the per-channel outliers of k (KIVI, Liu et al. 2024).
 //
 // A group (32 keys of one head, d channels) is d fp16 scales, then the codes channel by channel:
 // q8 32 bytes per channel (int8), q4 16 bytes (byte i: key i in the low nibble, key i + 16 in the
-// high one, each code + 8).
+// high one, each code + 8); q8 keys in channel pairs instead (kPaired: 64 bytes per pair, each
+// key's two codes adjacent).
 
 #include <algorithm>
 #include <cmath>
