@@ -430,21 +430,30 @@ struct decode_cache_impl {
     return reinterpret_cast<const T*>(base + h * headBytes);
   }
 
+  /// The chunk's quantised groups of kv head h's keys (or values), in key order, into sc.groups;
+  /// returns the keys they hold (the offset of the chunk's float tail).
+  template <bool Keys>
+  static Index gatherGroups(const Plan& plan, const Chunk& chunk, Index h, Index d, Scratch& sc) {
+    sc.groups.clear();
+    Index keys = 0;
+    for (Index t = chunk.first; t < chunk.last; ++t) {
+      const Piece& p = plan.cut[size_t(t)];
+      if (!p.quantised) continue;
+      const unsigned char* g0 = Keys ? p.k + h * p.kHead : p.v + h * p.vHead;
+      for (Index g = 0; g < p.count / quant::kGroup; ++g)
+        sc.groups.push_back(g0 + g * quant::groupBytes<Storage, Keys>(d));
+      keys += p.count;
+    }
+    return keys;
+  }
+
   /// s rows (sc.rowsA's queries, sc.rowsS's logits) += q k^T over the chunk's keys.
   /// gemmQ (R x d_k row-major, or null): every row active, the logits one R x n row-major block.
   static void logits(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dK, Scratch& sc,
                      const Acc* gemmQ = nullptr) {
     Index offset = 0;
     if constexpr (kQuantised) {
-      sc.groups.clear();
-      for (Index t = chunk.first; t < chunk.last; ++t) {
-        const Piece& p = plan.cut[size_t(t)];
-        if (!p.quantised) continue;
-        const unsigned char* g0 = p.k + h * p.kHead;
-        for (Index g = 0; g < p.count / quant::kGroup; ++g)
-          sc.groups.push_back(g0 + g * quant::groupBytes<Storage, true>(dK));
-        offset += p.count;
-      }
+      offset = gatherGroups<true>(plan, chunk, h, dK, sc);
       if (!sc.groups.empty())
         quant::logitsGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dK, sc.rowsS.data(),
                                      sc.as.get(R * (dK + 2) + dK));
@@ -516,15 +525,7 @@ struct decode_cache_impl {
     }
     bool any = false;
     if constexpr (kQuantised) {
-      sc.groups.clear();
-      for (Index t = chunk.first; t < chunk.last; ++t) {
-        const Piece& p = plan.cut[size_t(t)];
-        if (!p.quantised) continue;
-        const unsigned char* g0 = p.v + h * p.vHead;
-        for (Index g = 0; g < p.count / quant::kGroup; ++g)
-          sc.groups.push_back(g0 + g * quant::groupBytes<Storage>(dV));
-        offset += p.count;
-      }
+      offset = gatherGroups<false>(plan, chunk, h, dV, sc);
       if (!sc.groups.empty()) {
         quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV, sc.rowsD.data(),
                                      sc.acc.get(64 * dV));
