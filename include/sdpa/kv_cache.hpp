@@ -64,7 +64,8 @@ struct KvSequence {
  * scale per 32 keys of a channel; the newest positions of a group not yet full stay in float
  * until it fills; quantised storage needs finite values, |x| <= 65504 MaxCode). Errors (bad
  * shapes, a full pool or capacity, an unknown sequence) throw std::invalid_argument and leave the
- * cache unchanged.
+ * cache unchanged. Threads: any number of cachedAttention calls may read a cache at once; append,
+ * truncate, fork and release need the cache to themselves.
  */
 template <typename Storage_ = float>
 class KvCache {
