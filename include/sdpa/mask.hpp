@@ -438,6 +438,12 @@ template <typename T>
 struct IsAlignedToLengths : std::false_type {};
 template <typename M>
 struct IsAlignedToLengths<AlignedToLengths<M>> : std::true_type {};
+template <typename M>
+struct AtPositions;
+template <typename T>
+struct IsAtPositions : std::false_type {};
+template <typename M>
+struct IsAtPositions<AtPositions<M>> : std::true_type {};
 
 /// Whether mask M only hides (every part at Stage::Hide, without a bias): it sets entries to
 /// -inf and leaves the others alone, so it commutes with any positive scaling of the logits.
@@ -447,6 +453,8 @@ template <typename... M>
 struct OnlyHides<Combined<M...>> : std::bool_constant<(OnlyHides<M>::value && ...)> {};
 template <typename M>
 struct OnlyHides<AlignedToLengths<M>> : OnlyHides<M> {};
+template <typename M>
+struct OnlyHides<AtPositions<M>> : OnlyHides<M> {};
 
 /**
  * Applies the parts of mask m that act at stage S, looking inside combinations at any depth (and
@@ -460,6 +468,8 @@ void applyStage(const M& m, const Eigen::MatrixBase<DerivedS>& tile, Index row0,
     std::apply([&](const auto&... part) { (applyStage<S>(part, tile, row0, col0, nQ, nK, head), ...); }, m.parts());
   } else if constexpr (IsAlignedToLengths<M>::value) {
     applyStage<S>(m.mask, tile, row0, col0, nQ, nK + m.shift, head);
+  } else if constexpr (IsAtPositions<M>::value) {
+    applyStage<S>(m.mask, tile, row0 + m.row, col0 + m.col, m.nQ, m.nK, head + m.head0);
   } else if constexpr (M::MaskStage == S) {
     m.apply(tile, row0, col0, nQ, nK, head);
   }
@@ -583,6 +593,39 @@ struct AlignedToLengths {
     mask.apply(tile, row0, col0, nQ, nK + shift, head);
   }
 };
+
+/**
+ * A mask as one block of a larger attention sees it: the block's query i, key j and head h are
+ * query row + i, key col + j and head head0 + h of an n_q x n_k attention with `heads` query
+ * heads. Context parallelism (distributed.hpp) runs each pair of a query slice and a key slice,
+ * and each rank's share of the heads, as such a block, so that every positional mask (causal,
+ * window, ALiBi, key lengths) keeps its meaning over the whole sequence.
+ */
+template <typename M>
+struct AtPositions {
+  static constexpr bool IsMask = true;
+  static constexpr bool IsNone = M::IsNone;
+  static constexpr bool HasBias = M::HasBias;
+  static constexpr Stage MaskStage = M::MaskStage;
+
+  const M& mask;
+  Index row, col;  ///< the block's first query and key in the whole attention
+  Index nQ, nK;    ///< the whole attention's lengths
+  Index head0, heads;
+
+  void check(const char* where, Index, Index, Index = 1) const { mask.check(where, nQ, nK, heads); }
+  bool visible(Index i, Index j, Index, Index, Index head = 0) const {
+    return mask.visible(row + i, col + j, nQ, nK, head0 + head);
+  }
+  Tile classify(Index row0, Index rows, Index col0, Index cols, Index, Index, Index head = 0) const {
+    return mask.classify(row + row0, rows, col + col0, cols, nQ, nK, head0 + head);
+  }
+  template <typename DerivedS>
+  void apply(const Eigen::MatrixBase<DerivedS>& tile, Index row0, Index col0, Index, Index, Index head = 0) const {
+    mask.apply(tile, row + row0, col + col0, nQ, nK, head0 + head);
+  }
+};
+
 template <typename T>
 struct IsBiasMatrix : std::false_type {};
 template <typename D>
@@ -593,7 +636,7 @@ template <typename M>
 std::pair<Index, Index> biasMatrixShape(const M& m) {
   if constexpr (IsBiasMatrix<M>::value) {
     return {m.matrix().rows(), m.matrix().cols()};
-  } else if constexpr (IsAlignedToLengths<M>::value) {
+  } else if constexpr (IsAlignedToLengths<M>::value || IsAtPositions<M>::value) {
     return biasMatrixShape(m.mask);
   } else if constexpr (IsCombined<M>::value) {
     std::pair<Index, Index> shape{-1, -1};
@@ -610,7 +653,7 @@ template <typename M>
 double softcapOf(const M& m) {
   if constexpr (std::is_same_v<M, Softcap>) {
     return m.cap;
-  } else if constexpr (IsAlignedToLengths<M>::value) {
+  } else if constexpr (IsAlignedToLengths<M>::value || IsAtPositions<M>::value) {
     return softcapOf(m.mask);
   } else if constexpr (IsCombined<M>::value) {
     double cap = 0;

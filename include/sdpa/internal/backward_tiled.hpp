@@ -213,16 +213,54 @@ struct backward_tiled_impl {
                   }
                   sc.dpSafe[size_t(j0 / tileK)] = safe;
                 });
+  }
+
+  /// The first pass's sums of rows [i0, i0 + bq) made final: D = sum_j exp(L_ij - m) dP_ij / l,
+  /// and the centre as dL/dtau's factor (in units of tau), Y softcap'(Y) at the row's maximum.
+  static void finishRows(Rows rows, Index i0, Index bq, Scalar cap) {
+    auto l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq), yc = rows.centre.segment(i0, bq);
     for (Index r = 0; r < bq; ++r) {
       if (l(r) > Scalar(0)) d(r) /= l(r);
-      // The centre as dL/dtau's factor (in units of tau): Y softcap'(Y) at the maximum.
       // A softcap saturated to 1 - tanh^2 = 0 has factor 0, also at Y = +-inf (the limit of
       // Y sech^2(Y / c)), not inf * 0.
-      if (h.cap > 0) {
-        const Scalar t = tanhAccurate(yc(r) / h.cap), slope = Scalar(1) - t * t;
+      if (cap > 0) {
+        const Scalar t = tanhAccurate(yc(r) / cap), slope = Scalar(1) - t * t;
         yc(r) = slope == Scalar(0) ? Scalar(0) : yc(r) * slope;
       }
     }
+  }
+
+  /**
+   * Folds the first-pass sums of rows whose keys were split in two parts (b into a): as
+   * OnlineSoftmax merges two states, the sums of the part with the smaller maximum rescaled (and
+   * dropped where that factor is 0), the centre from the part holding the maximum (a on a tie,
+   * the keys seen first); a NaN maximum wins. Both before finishRows.
+   */
+  static void mergeRows(Rows a, const Rows& b) {
+    for (Index r = 0; r < a.max.size(); ++r) {
+      const Scalar ma = a.max(r), mb = b.max(r);
+      if (std::isnan(ma) || std::isnan(mb)) {
+        a.max(r) = std::numeric_limits<Scalar>::quiet_NaN();
+        continue;
+      }
+      const Scalar m = std::max(ma, mb);
+      if (m == -std::numeric_limits<Scalar>::infinity()) continue;
+      const Scalar alphaA = std::exp(ma - m), alphaB = std::exp(mb - m);
+      const auto fold = [](Scalar alpha, Scalar x) { return alpha == Scalar(0) ? Scalar(0) : alpha * x; };
+      a.sum(r) = fold(alphaA, a.sum(r)) + fold(alphaB, b.sum(r));
+      a.d(r) = fold(alphaA, a.d(r)) + fold(alphaB, b.d(r));
+      if (mb > ma) a.centre(r) = b.centre(r);
+      a.max(r) = m;
+    }
+  }
+
+  /// The first pass and its final rows, with the rare recomputation of D below.
+  template <typename Mask>
+  static void rowPass(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+                      const Tiles& tiles, Scratch& sc) {
+    firstPass(h, dropout, i0, bq, tileK, rows, tiles, sc);
+    finishRows(rows, i0, bq, h.cap);
+    auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
     // A dP of inf at a key whose weight was nonzero in its tile but rounds to 0 in the final
     // softmax has no effect on D, but made this running sum inf (or NaN): such rows are summed
     // again from the final weights, as the second pass computes them (rare: non-finite values only).
@@ -373,12 +411,25 @@ struct backward_tiled_impl {
 /// against 4096 keys); beyond it, the second pass recomputes them (two more products a tile).
 inline constexpr Index kBackwardCacheBytes = Index(64) << 20;
 
+/**
+ * Where the backward's row statistics come from. Own: its first pass, every key of a row being
+ * in the call. Context parallelism splits a row's keys over calls: Collect runs the first pass
+ * only and leaves its sums (before finishRows) in `stats` for the caller to merge
+ * (backward_tiled_impl::mergeRows) and finish; Given takes those final rows from `stats` and adds
+ * the gradients of the call's keys. `stats`: 4 (n_q x H) column-major blocks, the rows' maxima,
+ * sums, D and centres (backward_tiled_impl::Rows).
+ */
+struct BackwardRows {
+  enum Mode { Own, Collect, Given } mode = Own;
+  void* stats = nullptr;
+};
+
 template <typename Scalar, typename Scale, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
                    const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
                    const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
                    Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
-                   Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
+                   Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
     // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
@@ -403,7 +454,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                           noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
                           HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
                           noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
-                          noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias);
+                          noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
     return;
   }
   const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
@@ -461,7 +512,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   };
   // Rows of every (item, head): the softmax of each row and the centre of its dtau sum.
   const Index nH = q.rows() * H;
-  Scalar* stats = plan.rowStats.get(4 * nH);
+  Scalar* stats = from.mode == BackwardRows::Own ? plan.rowStats.get(4 * nH) : static_cast<Scalar*>(from.stats);
   Eigen::Map<Matrix<Scalar>> rowMax(stats, q.rows(), H), rowSum(stats + nH, q.rows(), H),
       rowD(stats + 2 * nH, q.rows(), H), centre(stats + 3 * nH, q.rows(), H);
   const auto rowsOf = [&](const ItemHead& u) {
@@ -489,6 +540,13 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     const ItemHead& u = pairs[size_t(un.pair)];
     const int t = threadIndex();
     auto& sc = Impl::threadScratch();
+    if (from.mode == BackwardRows::Collect) {
+      withHead(u, [&](const auto& hd) {
+        const typename Impl::Tiles none{nullptr, nullptr, nullptr, false, un.rows};
+        Impl::firstPass(hd, dropout, un.i0, un.rows, tile.k, rowsOf(u), none, sc);
+      });
+      return;
+    }
     if (!scratchOf[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
       scratchOf[size_t(t)] = &sc;
       if (t > 0) {
@@ -507,22 +565,30 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       // The block's L, Y and dP against every key are kept for the second pass when they fit
       // kBackwardCacheBytes: five products a tile instead of seven.
       const Index perTile = keepY ? 3 : 2;
-      const bool cached = Index(sizeof(Scalar)) * perTile * bq * nK <= kBackwardCacheBytes;
+      const bool given = from.mode == BackwardRows::Given;
+      const bool cached = !given && Index(sizeof(Scalar)) * perTile * bq * nK <= kBackwardCacheBytes;
       const typename Impl::Tiles tiles{cached ? sc.cacheX.get(bq * nK) : nullptr,
                                        cached && keepY ? sc.cacheY.get(bq * nK) : nullptr,
                                        cached ? sc.cacheDp.get(bq * nK) : nullptr, cached, bq};
-      Impl::firstPass(hd, dropout, un.i0, bq, tile.k, rows, tiles, sc);
+      if (!given) Impl::rowPass(hd, dropout, un.i0, bq, tile.k, rows, tiles, sc);
       auto dqRows = dq.block(u.q0 + un.i0, u.head * dims.dK, bq, dims.dK);
       using TileMap = typename Impl::TileMap;
-      Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, false, sc,
+      Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, given, sc,
                         [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
-                          dscaleT(u.head, t) += Impl::tile(
-                              hd, rows, dropout, un.i0, bq, j0, bk, hd.finite && sc.dpSafe[size_t(j0 / tile.k)], x, y,
-                              dp, dqRows, dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
-                              dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
+                          // Given rows: no first pass looked at this dP, so its headroom is found here.
+                          bool safe = hd.finite;
+                          if (given)
+                            for (Index r = 0; safe && r < bq; ++r) safe = allWithHeadroom(dp.row(r));
+                          else
+                            safe = safe && sc.dpSafe[size_t(j0 / tile.k)];
+                          dscaleT(u.head, t) +=
+                              Impl::tile(hd, rows, dropout, un.i0, bq, j0, bk, safe, x, y, dp, dqRows,
+                                         dkDst.block(u.k0 + j0, u.kvHead * dims.dK, bk, dims.dK),
+                                         dvDst.block(u.k0 + j0, u.kvHead * dims.dV, bk, dims.dV), dbDst, sc);
                         });
     });
   });
+  if (from.mode == BackwardRows::Collect) return;
   for (size_t t = 1; t < scratchOf.size(); ++t) {
     if (!scratchOf[t]) continue;
     dk += scratchOf[t]->dk;
