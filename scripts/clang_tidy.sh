@@ -15,6 +15,10 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_EXPORT_COMP
 # test_threads.cpp first: it takes as long as three of the others, and xargs -P 2 starts in order.
 files=(tests/test_threads.cpp examples/scaling_demo.cpp examples/multi_head.cpp examples/learn_temperature.cpp
        examples/long_sequence.cpp examples/decode_loop.cpp tools/sdpa_check.cpp)
+# Context parallelism (sdpa/distributed.hpp), where CMake found MPI and so built its example.
+if grep -q 'examples/context_parallel.cpp' "$build/compile_commands.json"; then
+  files+=(examples/context_parallel.cpp)
+fi
 printf 'clang-tidy on %d files, headers of include/sdpa only\n' "${#files[@]}"
 tidy=$(command -v clang-tidy || command -v clang-tidy-14)
 log=$(mktemp)

@@ -1,8 +1,9 @@
 # ctest -P script: configure, build and run the consumer project in a fresh directory.
-# Inputs: MODE, SOURCE_DIR (sdpa), WORK_DIR, GENERATOR, and PREFIX for find_package.
+# Inputs: MODE, SOURCE_DIR (sdpa), WORK_DIR, GENERATOR, PREFIX for find_package, and EXPECT_MPI
+# (whether sdpa::mpi must be there).
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(args -S "${SOURCE_DIR}/tests/package" -B "${WORK_DIR}" -G "${GENERATOR}" -DSDPA_CONSUME=${MODE}
-         -DSDPA_SOURCE_DIR=${SOURCE_DIR})
+         -DSDPA_SOURCE_DIR=${SOURCE_DIR} -DSDPA_EXPECT_MPI=${EXPECT_MPI})
 if(PREFIX)
   list(APPEND args -DCMAKE_PREFIX_PATH=${PREFIX})
 endif()
