@@ -646,8 +646,11 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen:
  * multiHeadAttentionBackward (NUMERICS.md), so the forward's results are not needed. dscale is
  * summed over the ranks (one all-reduce) and a non-const Learnable accumulates it on every rank.
  *
- * \param dOut dL/dO of this rank's output rows, n_r x (H d_v); the other arguments as for
- *        ringAttentionForward.
+ * \param comm, q, k, v, heads, qSplit, kvSplit as for ringAttentionForward
+ * \param dOut dL/dO of this rank's output rows, n_r x (H d_v)
+ * \param scale the forward's policy; a non-const Learnable accumulates the all-reduced dscale
+ * \param mask the forward's mask
+ * \returns this rank's dq (n_r x (H d_k)), dk and dv (its key rows) and dscale (H, every rank's sum).
  */
 template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask = mask::None>
 MultiHeadGradients<typename DQ::Scalar> ringAttentionBackward(MPI_Comm comm, const Eigen::MatrixBase<DQ>& q,
