@@ -39,7 +39,6 @@ struct backward_tiled_impl {
     Buffer<Scalar> x, y, t, p, pDropped, dp, g;
     Buffer<Scalar> cacheX, cacheY, cacheDp;  // a query block's L, Y and dP against every key
     std::vector<char> dpSafe;                // per key tile of the block: every 4 dP is finite
-    Matrix<Scalar> dk, dv, dbias;            // this thread's share of the shared gradients
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -468,6 +467,10 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     std::vector<ItemHead> pairs;
     std::vector<Unit> units;
     std::vector<typename Impl::Scratch*> scratchOf;
+    // Thread t's share of dk, dv and a shared dbias (t > 0), owned by the calling thread: a pool
+    // thread of the OpenMP runtime may serve another caller's team once this region ends, so
+    // its thread_local scratch must not be read after it.
+    std::vector<Matrix<Scalar>> dkT, dvT, dbiasT;
     Buffer<Scalar> qs, rowStats;
     Buffer<double> dscaleT;
   };
@@ -531,6 +534,13 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
   auto& scratchOf = plan.scratchOf;
   scratchOf.assign(size_t(std::max(1, threads)), nullptr);
+  // References: the threads below must reach this thread's plan, not their own thread_local one.
+  auto &dkT = plan.dkT, &dvT = plan.dvT, &dbiasT = plan.dbiasT;
+  if (dkT.size() < scratchOf.size()) {
+    dkT.resize(scratchOf.size());
+    dvT.resize(scratchOf.size());
+    dbiasT.resize(scratchOf.size());
+  }
   // dL/dtau_h of each thread: column t.
   Eigen::Map<Matrix<double>> dscaleT(plan.dscaleT.get(H * std::max(1, threads)), H, std::max(1, threads));
   dscaleT.setZero();
@@ -550,14 +560,14 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     if (!scratchOf[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
       scratchOf[size_t(t)] = &sc;
       if (t > 0) {
-        sc.dk.setZero(dk.rows(), dk.cols());
-        sc.dv.setZero(dv.rows(), dv.cols());
-        if (dbias) sc.dbias.setZero(dbias->rows(), dbias->cols());
+        dkT[size_t(t)].setZero(dk.rows(), dk.cols());
+        dvT[size_t(t)].setZero(dv.rows(), dv.cols());
+        if (dbias) dbiasT[size_t(t)].setZero(dbias->rows(), dbias->cols());
       }
     }
-    Eigen::Ref<Matrix<Scalar>> dkDst = t == 0 ? dk : Eigen::Ref<Matrix<Scalar>>(sc.dk);
-    Eigen::Ref<Matrix<Scalar>> dvDst = t == 0 ? dv : Eigen::Ref<Matrix<Scalar>>(sc.dv);
-    Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &sc.dbias) : nullptr;
+    Eigen::Ref<Matrix<Scalar>> dkDst = t == 0 ? dk : Eigen::Ref<Matrix<Scalar>>(dkT[size_t(t)]);
+    Eigen::Ref<Matrix<Scalar>> dvDst = t == 0 ? dv : Eigen::Ref<Matrix<Scalar>>(dvT[size_t(t)]);
+    Matrix<Scalar>* dbDst = dbias ? (t == 0 ? dbias : &dbiasT[size_t(t)]) : nullptr;
     withHead(u, [&](const auto& hd) {
       const auto rows = rowsOf(u);
       const Index bq = un.rows, nK = u.nK;
@@ -591,9 +601,9 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   if (from.mode == BackwardRows::Collect) return;
   for (size_t t = 1; t < scratchOf.size(); ++t) {
     if (!scratchOf[t]) continue;
-    dk += scratchOf[t]->dk;
-    dv += scratchOf[t]->dv;
-    if (dbias) *dbias += scratchOf[t]->dbias;
+    dk += dkT[t];
+    dv += dvT[t];
+    if (dbias) *dbias += dbiasT[t];
   }
   dscale += dscaleT.rowwise().sum().template cast<Scalar>();
 }
