@@ -107,8 +107,8 @@ void BM_RingBackwardOverlap(benchmark::State& state) {
                                                             s.split, s.split, kTau, kNone, &s.blocks));
     });
     const double r = timed([&] {
-      benchmark::DoNotOptimize(dist::ringAttentionBackward(MPI_COMM_WORLD, s.q, s.k, s.v, s.dO,
-                                                           sdpa::Heads{Setup::H}, s.split, s.split, kTau));
+      benchmark::DoNotOptimize(dist::ringAttentionBackward(MPI_COMM_WORLD, s.q, s.k, s.v, s.dO, sdpa::Heads{Setup::H},
+                                                           s.split, s.split, kTau));
     });
     compute += c;
     ring += r;
@@ -165,8 +165,8 @@ void BM_BlockForward(benchmark::State& state) {
   const Index c = Setup::H * Setup::d;
   for (auto _ : state) {
     const double t = timed([&] {
-      benchmark::DoNotOptimize(sdpa::multiHeadAttentionForward(s.q, blk.leftCols(c), blk.rightCols(c),
-                                                               sdpa::Heads{Setup::H}));
+      benchmark::DoNotOptimize(
+          sdpa::multiHeadAttentionForward(s.q, blk.leftCols(c), blk.rightCols(c), sdpa::Heads{Setup::H}));
     });
     state.SetIterationTime(t);
   }
@@ -175,15 +175,40 @@ void BM_BlockForward(benchmark::State& state) {
 }
 
 // n_r (rows per rank) 64: the block's computation is short next to its transfer; 2048: long.
-BENCHMARK(BM_RingForwardOverlap)->ArgName("nr")->Arg(64)->Arg(2048)->Iterations(20)->UseManualTime()
+BENCHMARK(BM_RingForwardOverlap)
+    ->ArgName("nr")
+    ->Arg(64)
+    ->Arg(2048)
+    ->Iterations(20)
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_RingBackwardOverlap)->ArgName("nr")->Arg(64)->Arg(2048)->Iterations(10)->UseManualTime()
+BENCHMARK(BM_RingBackwardOverlap)
+    ->ArgName("nr")
+    ->Arg(64)
+    ->Arg(2048)
+    ->Iterations(10)
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_UlyssesForward)->ArgName("nr")->Arg(64)->Arg(2048)->Iterations(20)->UseManualTime()
+BENCHMARK(BM_UlyssesForward)
+    ->ArgName("nr")
+    ->Arg(64)
+    ->Arg(2048)
+    ->Iterations(20)
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_LinkBandwidth)->ArgName("nr")->Arg(64)->Arg(2048)->Iterations(50)->UseManualTime()
+BENCHMARK(BM_LinkBandwidth)
+    ->ArgName("nr")
+    ->Arg(64)
+    ->Arg(2048)
+    ->Iterations(50)
+    ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_BlockForward)->ArgName("nr")->Arg(64)->Arg(2048)->Iterations(20)->UseManualTime()
+BENCHMARK(BM_BlockForward)
+    ->ArgName("nr")
+    ->Arg(64)
+    ->Arg(2048)
+    ->Iterations(20)
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
 /// The reporter of ranks other than 0: they run every benchmark (collectives) but print nothing.

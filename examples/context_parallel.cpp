@@ -56,9 +56,10 @@ int run(int argc, char** argv) {
     MPI_Allreduce(MPI_IN_PLACE, err, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &time, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (rank == 0)
-      std::printf("%-8s %d ranks: forward + backward %7.1f ms; max |difference| from one process: out %.1e, "
-                  "dq %.1e, dk %.1e, dv %.1e\n",
-                  route, ranks, 1e3 * time, err[0], err[1], err[2], err[3]);
+      std::printf(
+          "%-8s %d ranks: forward + backward %7.1f ms; max |difference| from one process: out %.1e, "
+          "dq %.1e, dk %.1e, dv %.1e\n",
+          route, ranks, 1e3 * time, err[0], err[1], err[2], err[3]);
     for (double e : err) failed |= !(e < 1e-4);
   };
 
@@ -67,7 +68,8 @@ int run(int argc, char** argv) {
     const Mat ql = rowsOf(q, split, rank), kl = rowsOf(k, split, rank), vl = rowsOf(v, split, rank),
               dOl = rowsOf(dO, split, rank);
     const auto t0 = std::chrono::steady_clock::now();
-    const auto f = sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, ql, kl, vl, heads, split, split, tau, causal);
+    const auto f =
+        sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, ql, kl, vl, heads, split, split, tau, causal);
     const auto g =
         sdpa::distributed::ringAttentionBackward(MPI_COMM_WORLD, ql, kl, vl, dOl, heads, split, split, tau, causal);
     report("ring", split, seconds(t0), f, g);

@@ -121,8 +121,9 @@ class Split {
   Split() = default;
   static void check(Index rows, int ranks, const char* what) {
     if (rows < 0 || ranks < 1)
-      throw std::invalid_argument(std::string("sdpa::distributed::Split::") + what + ": need rows >= 0 and ranks >= 1, got " +
-                                  std::to_string(rows) + " rows and " + std::to_string(ranks) + " ranks");
+      throw std::invalid_argument(std::string("sdpa::distributed::Split::") + what +
+                                  ": need rows >= 0 and ranks >= 1, got " + std::to_string(rows) + " rows and " +
+                                  std::to_string(ranks) + " ranks");
   }
   std::vector<std::vector<Segment>> m_segments;
   Index m_rows = 0;
@@ -376,7 +377,7 @@ void mergeInto(Eigen::Ref<Matrix<double>> o, Eigen::Ref<Matrix<double>> lse, con
 /// Query heads [h0, h0 + count) of a scale policy as per-head constants, in precision S.
 template <typename S, typename Scale>
 scale::PerHead<sdpa::internal::FixedTau<S>> headSubset(const Scale& scale, Index heads, Index dK, Index h0,
-                                                      Index count) {
+                                                       Index count) {
   const sdpa::internal::HeadTaus<S> all(scale, heads, dK);
   std::vector<sdpa::internal::FixedTau<S>> taus;
   for (Index h = h0; h < h0 + count; ++h) taus.push_back(all.head(h));
@@ -445,10 +446,10 @@ Matrix<Scalar> toSequence(const Call& c, const Split& split, const Matrix<Scalar
 /// Ulysses' extra condition: the heads shard evenly over the ranks (checked on every rank alike).
 inline void checkHeadsShard(const char* where, const Heads& heads, int ranks) {
   if (heads.query % ranks != 0 || heads.keyValue % ranks != 0)
-    sdpa::internal::throwInvalid(
-        where, "Heads{" + std::to_string(heads.query) + ", " + std::to_string(heads.keyValue) + "} do not shard over " +
-                   std::to_string(ranks) + " ranks: Ulysses needs H and H_kv divisible by the rank count (use "
-                   "ringAttention* otherwise)");
+    sdpa::internal::throwInvalid(where, "Heads{" + std::to_string(heads.query) + ", " + std::to_string(heads.keyValue) +
+                                            "} do not shard over " + std::to_string(ranks) +
+                                            " ranks: Ulysses needs H and H_kv divisible by the rank count (use "
+                                            "ringAttention* otherwise)");
 }
 
 }  // namespace internal
@@ -467,9 +468,9 @@ MultiHeadForwardResult<typename DQ::Scalar> ringForward(
   constexpr const char* where = "sdpa::distributed::ringAttentionForward";
   const sdpa::internal::mpi::Duplicate dup(comm, where);
   const internal::Call call{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
-  const sdpa::internal::HeadDims dims = internal::checkCall<Scalar>(where, call.comm, call.ranks, call.rank, q.rows(), q.cols(),
-                                                    k.rows(), k.cols(), v.rows(), v.cols(), nullptr, heads, qSplit,
-                                                    kvSplit, scale, mask);
+  const sdpa::internal::HeadDims dims =
+      internal::checkCall<Scalar>(where, call.comm, call.ranks, call.rank, q.rows(), q.cols(), k.rows(), k.cols(),
+                                  v.rows(), v.cols(), nullptr, heads, qSplit, kvSplit, scale, mask);
   internal::Call c = call;
   c.dims = dims;
   const Index H = heads.query, cK = heads.keyValue * dims.dK;
@@ -534,12 +535,10 @@ MultiHeadForwardResult<typename DQ::Scalar> ringAttentionForward(MPI_Comm comm, 
 namespace internal {
 /// ringAttentionBackward; `preloaded` as for ringForward (the gradients are then not complete).
 template <typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>
-MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen::MatrixBase<DQ>& q,
-                                                     const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                                                     const Eigen::MatrixBase<DO>& dOut, const Heads& heads,
-                                                     const Split& qSplit, const Split& kvSplit, Scale&& scale,
-                                                     const Mask& mask,
-                                                     const std::vector<Matrix<typename DQ::Scalar>>* preloaded = nullptr) {
+MultiHeadGradients<typename DQ::Scalar> ringBackward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DO>& dOut, const Heads& heads, const Split& qSplit, const Split& kvSplit, Scale&& scale,
+    const Mask& mask, const std::vector<Matrix<typename DQ::Scalar>>* preloaded = nullptr) {
   using Scalar = typename DQ::Scalar;
   using Impl = sdpa::internal::backward_tiled_impl<Scalar>;
   internal::assertDistributed<Scalar, std::decay_t<Scale>, Mask>();
@@ -548,8 +547,8 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen:
   const sdpa::internal::mpi::Duplicate dup(comm, where);
   const Index dOutShape[2] = {dOut.rows(), dOut.cols()};
   internal::Call c{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
-  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(),
-                                       v.rows(), v.cols(), dOutShape, heads, qSplit, kvSplit, scale, mask);
+  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(),
+                                       v.cols(), dOutShape, heads, qSplit, kvSplit, scale, mask);
   const sdpa::internal::HeadDims dims = c.dims;
   const Index H = heads.query, n = q.rows(), cK = heads.keyValue * dims.dK;
   const sdpa::internal::HeadTaus<Scalar> taus(scale, H, dims.dK);
@@ -587,12 +586,13 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen:
             const Segment& sq = segs[i];
             if (internal::hidden(mask, sq, sk, c)) continue;
             part[i].resize(sq.rows, 4 * H);
-            blockCall(sq, sk, block, [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
-              sdpa::internal::backwardTiled<Scalar>(
-                  kernel::Tiled{}, qs, ks, vs, dOs, sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims, taus, mk,
-                  Dropout(), none, none, none, noScale, nullptr,
-                  {sdpa::internal::BackwardRows::Collect, part[i].data()});
-            });
+            blockCall(sq, sk, block,
+                      [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
+                        sdpa::internal::backwardTiled<Scalar>(kernel::Tiled{}, qs, ks, vs, dOs,
+                                                              sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims,
+                                                              taus, mk, Dropout(), none, none, none, noScale, nullptr,
+                                                              {sdpa::internal::BackwardRows::Collect, part[i].data()});
+                      });
             for (Index h = 0; h < H; ++h) Impl::mergeRows(rowsView(rows[i], h), rowsView(part[i], h));
           }
       },
@@ -602,8 +602,8 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen:
     for (Index h = 0; h < H; ++h) Impl::finishRows(rowsView(rows[i], h), 0, segs[i].rows, cap);
 
   // Turn 2: the gradients of every block from those rows; dK and dV travel behind the blocks.
-  MultiHeadGradients<Scalar> g{Matrix<Scalar>::Zero(n, q.cols()), Matrix<Scalar>(), Matrix<Scalar>(),
-                               Vector<Scalar>::Zero(H), {}};
+  MultiHeadGradients<Scalar> g{
+      Matrix<Scalar>::Zero(n, q.cols()), Matrix<Scalar>(), Matrix<Scalar>(), Vector<Scalar>::Zero(H), {}};
   Matrix<Scalar> ownGrad;
   internal::ringTurn<Scalar>(
       c, ring, own, true,
@@ -615,22 +615,23 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(MPI_Comm comm, const Eigen:
             auto dq = g.dq.middleRows(sq.local, sq.rows);
             auto dk = grad->block(sk.local, 0, sk.rows, cK);
             auto dv = grad->block(sk.local, cK, sk.rows, grad->cols() - cK);
-            blockCall(sq, sk, block, [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
-              sdpa::internal::backwardTiled<Scalar>(
-                  kernel::Tiled{}, qs, ks, vs, dOs, sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims, taus, mk,
-                  Dropout(), Eigen::Ref<Matrix<Scalar>>(dq), Eigen::Ref<Matrix<Scalar>>(dk),
-                  Eigen::Ref<Matrix<Scalar>>(dv), Eigen::Ref<Vector<Scalar>>(dscale), nullptr,
-                  {sdpa::internal::BackwardRows::Given, rows[i].data()});
-            });
+            blockCall(sq, sk, block,
+                      [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
+                        sdpa::internal::backwardTiled<Scalar>(
+                            kernel::Tiled{}, qs, ks, vs, dOs, sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims,
+                            taus, mk, Dropout(), Eigen::Ref<Matrix<Scalar>>(dq), Eigen::Ref<Matrix<Scalar>>(dk),
+                            Eigen::Ref<Matrix<Scalar>>(dv), Eigen::Ref<Vector<Scalar>>(dscale), nullptr,
+                            {sdpa::internal::BackwardRows::Given, rows[i].data()});
+                      });
           }
       },
       &ownGrad, preloaded);
   if (ownGrad.rows() != k.rows()) ownGrad.setZero(k.rows(), own.cols());  // (preloaded: a rank that needs no key)
   g.dk = ownGrad.leftCols(cK);
   g.dv = ownGrad.rightCols(ownGrad.cols() - cK);
-  sdpa::internal::mpi::check(MPI_Allreduce(dscale.data(), g.dscale.data(), int(H),
-                                           sdpa::internal::mpi::datatype<Scalar>(), MPI_SUM, c.comm),
-                             where, "MPI_Allreduce");
+  sdpa::internal::mpi::check(
+      MPI_Allreduce(dscale.data(), g.dscale.data(), int(H), sdpa::internal::mpi::datatype<Scalar>(), MPI_SUM, c.comm),
+      where, "MPI_Allreduce");
   if constexpr (sdpa::internal::AccumulatesInto<Scale>) sdpa::internal::accumulateScaleGrad(scale, g.dscale);
   return g;
 }
@@ -657,8 +658,8 @@ MultiHeadGradients<typename DQ::Scalar> ringAttentionBackward(MPI_Comm comm, con
                                                               const Eigen::MatrixBase<DK>& k,
                                                               const Eigen::MatrixBase<DV>& v,
                                                               const Eigen::MatrixBase<DO>& dOut, const Heads& heads,
-                                                              const Split& qSplit, const Split& kvSplit,
-                                                              Scale&& scale, const Mask& mask = Mask()) {
+                                                              const Split& qSplit, const Split& kvSplit, Scale&& scale,
+                                                              const Mask& mask = Mask()) {
   return internal::ringBackward(comm, q, k, v, dOut, heads, qSplit, kvSplit, std::forward<Scale>(scale), mask);
 }
 
@@ -673,9 +674,8 @@ MultiHeadGradients<typename DQ::Scalar> ringAttentionBackward(MPI_Comm comm, con
 template <typename DQ, typename DK, typename DV, typename Scale = scale::InvSqrtDk, typename Mask = mask::None>
 MultiHeadForwardResult<typename DQ::Scalar> ulyssesAttentionForward(MPI_Comm comm, const Eigen::MatrixBase<DQ>& q,
                                                                     const Eigen::MatrixBase<DK>& k,
-                                                                    const Eigen::MatrixBase<DV>& v,
-                                                                    const Heads& heads, const Split& qSplit,
-                                                                    const Split& kvSplit,
+                                                                    const Eigen::MatrixBase<DV>& v, const Heads& heads,
+                                                                    const Split& qSplit, const Split& kvSplit,
                                                                     const Scale& scale = Scale(),
                                                                     const Mask& mask = Mask()) {
   using Scalar = typename DQ::Scalar;
@@ -684,8 +684,8 @@ MultiHeadForwardResult<typename DQ::Scalar> ulyssesAttentionForward(MPI_Comm com
   constexpr const char* where = "sdpa::distributed::ulyssesAttentionForward";
   const sdpa::internal::mpi::Duplicate dup(comm, where);
   internal::Call c{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
-  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(),
-                                       v.rows(), v.cols(), nullptr, heads, qSplit, kvSplit, scale, mask,
+  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(),
+                                       v.cols(), nullptr, heads, qSplit, kvSplit, scale, mask,
                                        [&] { internal::checkHeadsShard(where, heads, c.ranks); });
   const sdpa::internal::HeadDims dims = c.dims;
   const Index hp = heads.query / c.ranks, hkvp = heads.keyValue / c.ranks;
@@ -695,10 +695,9 @@ MultiHeadForwardResult<typename DQ::Scalar> ulyssesAttentionForward(MPI_Comm com
   const auto taus = internal::headSubset<Scalar>(scale, heads.query, dims.dK, c.rank * hp, hp);
   const mask::internal::AtPositions<Mask> mk{mask, 0, 0, qSplit.rows(), kvSplit.rows(), c.rank * hp, heads.query};
   Matrix<Scalar> out(qSplit.rows(), hp * dims.dV), lse(qSplit.rows(), hp);
-  sdpa::internal::batchedForwardInto<Scalar>(where, kernel::Tiled{}, qh, kh, vh,
-                                             sdpa::internal::singleItem(qSplit.rows(), kvSplit.rows()),
-                                             Heads{hp, hkvp}, dims, taus, mk, Dropout(), nullptr,
-                                             Eigen::Ref<Matrix<Scalar>>(out), Eigen::Ref<Matrix<Scalar>>(lse));
+  sdpa::internal::batchedForwardInto<Scalar>(
+      where, kernel::Tiled{}, qh, kh, vh, sdpa::internal::singleItem(qSplit.rows(), kvSplit.rows()), Heads{hp, hkvp},
+      dims, taus, mk, Dropout(), nullptr, Eigen::Ref<Matrix<Scalar>>(out), Eigen::Ref<Matrix<Scalar>>(lse));
   return {internal::toSequence<Scalar>(c, qSplit, out, hp * dims.dV), internal::toSequence<Scalar>(c, qSplit, lse, hp)};
 }
 
@@ -722,8 +721,8 @@ MultiHeadGradients<typename DQ::Scalar> ulyssesAttentionBackward(MPI_Comm comm, 
   const sdpa::internal::mpi::Duplicate dup(comm, where);
   const Index dOutShape[2] = {dOut.rows(), dOut.cols()};
   internal::Call c{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
-  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(),
-                                       v.rows(), v.cols(), dOutShape, heads, qSplit, kvSplit, scale, mask,
+  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(),
+                                       v.cols(), dOutShape, heads, qSplit, kvSplit, scale, mask,
                                        [&] { internal::checkHeadsShard(where, heads, c.ranks); });
   const sdpa::internal::HeadDims dims = c.dims;
   const Index H = heads.query, hp = H / c.ranks, hkvp = heads.keyValue / c.ranks;
@@ -737,16 +736,17 @@ MultiHeadGradients<typename DQ::Scalar> ulyssesAttentionBackward(MPI_Comm comm, 
                  dv = Matrix<Scalar>::Zero(vh.rows(), vh.cols());
   Vector<Scalar> dscale = Vector<Scalar>::Zero(H);
   auto mine = dscale.segment(c.rank * hp, hp);
-  sdpa::internal::batchedBackwardInto<Scalar>(kernel::Tiled{}, qh, kh, vh, dOh,
-                                              sdpa::internal::singleItem(qSplit.rows(), kvSplit.rows()),
-                                              Heads{hp, hkvp}, dims, taus, mk, Dropout(), dq, dk, dv,
-                                              Eigen::Ref<Vector<Scalar>>(mine), nullptr);
+  sdpa::internal::batchedBackwardInto<Scalar>(
+      kernel::Tiled{}, qh, kh, vh, dOh, sdpa::internal::singleItem(qSplit.rows(), kvSplit.rows()), Heads{hp, hkvp},
+      dims, taus, mk, Dropout(), dq, dk, dv, Eigen::Ref<Vector<Scalar>>(mine), nullptr);
   MultiHeadGradients<Scalar> g{internal::toSequence<Scalar>(c, qSplit, dq, hp * dims.dK),
                                internal::toSequence<Scalar>(c, kvSplit, dk, hkvp * dims.dK),
-                               internal::toSequence<Scalar>(c, kvSplit, dv, hkvp * dims.dV), Vector<Scalar>(H), {}};
-  sdpa::internal::mpi::check(MPI_Allreduce(dscale.data(), g.dscale.data(), int(H),
-                                           sdpa::internal::mpi::datatype<Scalar>(), MPI_SUM, c.comm),
-                             where, "MPI_Allreduce");
+                               internal::toSequence<Scalar>(c, kvSplit, dv, hkvp * dims.dV),
+                               Vector<Scalar>(H),
+                               {}};
+  sdpa::internal::mpi::check(
+      MPI_Allreduce(dscale.data(), g.dscale.data(), int(H), sdpa::internal::mpi::datatype<Scalar>(), MPI_SUM, c.comm),
+      where, "MPI_Allreduce");
   if constexpr (sdpa::internal::AccumulatesInto<Scale>) sdpa::internal::accumulateScaleGrad(scale, g.dscale);
   return g;
 }

@@ -48,7 +48,8 @@ struct Problem {
 };
 
 template <typename T>
-Problem<T> makeProblem(Index nQ, Index nK, Index H, Index hKv, Index dK, Index dV, std::uint64_t seed, double sd = 1.0) {
+Problem<T> makeProblem(Index nQ, Index nK, Index H, Index hKv, Index dK, Index dV, std::uint64_t seed,
+                       double sd = 1.0) {
   return {nQ,
           nK,
           H,
@@ -124,17 +125,15 @@ template <typename T, typename Mask>
 void checkCase(Route route, const Problem<T>& p, const Split& qs, const Split& ks, const Mask& m, double softcap,
                bool backward) {
   const int rank = worldRank();
-  const Mat<T> q = slice(p.q, qs, rank), k = slice(p.k, ks, rank), v = slice(p.v, ks, rank),
-               dO = slice(p.dO, qs, rank);
+  const Mat<T> q = slice(p.q, qs, rank), k = slice(p.k, ks, rank), v = slice(p.v, ks, rank), dO = slice(p.dO, qs, rank);
   const Heads heads{p.H, p.hKv};
   const Oracle<long double, T, Mask> gold(p, m, softcap, backward);
   const Oracle<T, T, Mask> naive(p, m, softcap, backward);
   const double lseScale = finiteMaxAbs(gold.lse.template cast<double>());
-  const auto fwd = route == Route::Ring
-                       ? sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q, k, v, heads, qs, ks,
-                                                                 scale::InvSqrtDk{}, m)
-                       : sdpa::distributed::ulyssesAttentionForward(MPI_COMM_WORLD, q, k, v, heads, qs, ks,
-                                                                    scale::InvSqrtDk{}, m);
+  const auto fwd =
+      route == Route::Ring
+          ? sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q, k, v, heads, qs, ks, scale::InvSqrtDk{}, m)
+          : sdpa::distributed::ulyssesAttentionForward(MPI_COMM_WORLD, q, k, v, heads, qs, ks, scale::InvSqrtDk{}, m);
   REQUIRE(fwd.output.rows() == q.rows());
   REQUIRE(fwd.output.cols() == p.H * p.dV);
   checkRule<T>("output", fwd.output, gold.out, naive.out, qs, rank, lseScale);
@@ -184,7 +183,8 @@ std::vector<std::pair<std::string, Split>> splitsOf(Index rows) {
   Index assigned = 0;
   for (Index n : uneven) assigned += n;
   uneven[0] += rows - assigned;  // the first rank takes the last rank's rows: one rank holds none
-  return {{"contiguous", Split::contiguous(rows, P)}, {"uneven", Split::sizes(uneven)}, {"zigzag", Split::zigzag(rows, P)}};
+  return {
+      {"contiguous", Split::contiguous(rows, P)}, {"uneven", Split::sizes(uneven)}, {"zigzag", Split::zigzag(rows, P)}};
 }
 
 template <typename T, typename F>
@@ -222,7 +222,9 @@ void runMatrix(Route route, bool backward, Index nQ, Index nK, Index H, Index hK
 TEST_CASE("ring attention equals one process's attention: forward and backward, every mask and split",
           "[distributed]") {
   SECTION("float, GQA 4/2, square") { runMatrix<float>(Route::Ring, true, 37, 37, 4, 2, 11); }
-  SECTION("double, MHA 2, n_k > n_q (keys before the queries)") { runMatrix<double>(Route::Ring, true, 23, 41, 2, 2, 12); }
+  SECTION("double, MHA 2, n_k > n_q (keys before the queries)") {
+    runMatrix<double>(Route::Ring, true, 23, 41, 2, 2, 12);
+  }
   SECTION("float, MQA 4/1, n_q > n_k (first rows fully masked under lower-right causal)") {
     runMatrix<float>(Route::Ring, true, 30, 19, 4, 1, 13);
   }
@@ -245,13 +247,14 @@ TEST_CASE("a learnable scale gets the sum of every rank's dL/dtau, on every rank
   const double want = double(gold.dscale.sum());
   for (bool ulysses : {false, true}) {
     auto tau = scale::Learnable<double>::forHeadDim(8);
-    const auto g = ulysses ? sdpa::distributed::ulyssesAttentionBackward(MPI_COMM_WORLD, q, k, v, dO,
-                                                                         Heads{2 * P, P}, split, split, tau, m)
+    const auto g = ulysses ? sdpa::distributed::ulyssesAttentionBackward(MPI_COMM_WORLD, q, k, v, dO, Heads{2 * P, P},
+                                                                         split, split, tau, m)
                            : sdpa::distributed::ringAttentionBackward(MPI_COMM_WORLD, q, k, v, dO, Heads{2 * P, P},
                                                                       split, split, tau, m);
     INFO((ulysses ? "Ulysses" : "ring") << ": dL/dtau " << tau.grad() << ", oracle " << want);
     CHECK(std::abs(double(tau.grad()) - want) <= 1e-12 * std::max(1.0, std::abs(want)));
-    CHECK(maxAbsDiff(g.dscale, gold.dscale.cast<double>()) <= 1e-12 * std::max(1.0, maxAbs(gold.dscale.cast<double>())));
+    CHECK(maxAbsDiff(g.dscale, gold.dscale.cast<double>()) <=
+          1e-12 * std::max(1.0, maxAbs(gold.dscale.cast<double>())));
   }
 }
 
@@ -270,10 +273,10 @@ TEST_CASE("per-head scales follow their heads to the rank that computes them", "
                     dO = slice(p.dO, split, rank);
   for (bool ulysses : {false, true}) {
     INFO((ulysses ? "Ulysses" : "ring"));
-    const auto f = ulysses ? sdpa::distributed::ulyssesAttentionForward(MPI_COMM_WORLD, q, k, v, Heads{H}, split, split,
-                                                                        perHead, m)
-                           : sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q, k, v, Heads{H}, split, split,
-                                                                     perHead, m);
+    const auto f =
+        ulysses
+            ? sdpa::distributed::ulyssesAttentionForward(MPI_COMM_WORLD, q, k, v, Heads{H}, split, split, perHead, m)
+            : sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q, k, v, Heads{H}, split, split, perHead, m);
     CHECK(maxAbsDiff(f.output, slice<double>(whole.output, split, rank)) <= 1e-13);
     const auto g = ulysses ? sdpa::distributed::ulyssesAttentionBackward(MPI_COMM_WORLD, q, k, v, dO, Heads{H}, split,
                                                                          split, perHead, m)
@@ -346,9 +349,8 @@ TEST_CASE("bad input on one rank is the same clear error on every rank", "[distr
     if (P > 1) {
       Mat<float> q2 = Mat<float>::Zero(q.rows(), h * 4), k2 = Mat<float>::Zero(k.rows(), hv * 4),
                  v2 = Mat<float>::Zero(v.rows(), hv * 4);
-      CHECK_THROWS_WITH(
-          sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q2, k2, v2, Heads{h, hv}, split, split),
-          Catch::Contains("the ranks disagree on the query heads H"));
+      CHECK_THROWS_WITH(sdpa::distributed::ringAttentionForward(MPI_COMM_WORLD, q2, k2, v2, Heads{h, hv}, split, split),
+                        Catch::Contains("the ranks disagree on the query heads H"));
     }
   }
   SECTION("a split for another number of ranks") {

@@ -74,8 +74,7 @@ inline void agree(MPI_Comm comm, const char* where, const std::string& localErro
   std::vector<std::int64_t> local(mustAgree);
   local.push_back(std::int64_t(localError.size()));
   std::vector<std::int64_t> all(size_t(p) * size_t(n + 1));
-  check(MPI_Allgather(local.data(), n + 1, MPI_INT64_T, all.data(), n + 1, MPI_INT64_T, comm), where,
-        "MPI_Allgather");
+  check(MPI_Allgather(local.data(), n + 1, MPI_INT64_T, all.data(), n + 1, MPI_INT64_T, comm), where, "MPI_Allgather");
   std::vector<int> lengths(static_cast<size_t>(p)), offsets(static_cast<size_t>(p));
   int total = 0;
   for (int r = 0; r < p; ++r) {
@@ -90,16 +89,16 @@ inline void agree(MPI_Comm comm, const char* where, const std::string& localErro
           where, "MPI_Allgatherv");
     for (int r = 0; r < p; ++r)
       if (lengths[size_t(r)] > 0)
-        throw std::invalid_argument(std::string(where) + ": on rank " + std::to_string(r) + " of " +
-                                    std::to_string(p) + ": " +
-                                    std::string(text.data() + offsets[size_t(r)], size_t(lengths[size_t(r)])));
+        throw std::invalid_argument(std::string(where) + ": on rank " + std::to_string(r) + " of " + std::to_string(p) +
+                                    ": " + std::string(text.data() + offsets[size_t(r)], size_t(lengths[size_t(r)])));
   }
   for (int i = 0; i < n; ++i)
     for (int r = 1; r < p; ++r) {
       const std::int64_t a = all[size_t(i)], b = all[size_t(r) * size_t(n + 1) + size_t(i)];
       if (a != b)
-        throw std::invalid_argument(std::string(where) + ": the ranks disagree on " + names[size_t(i)] + ": rank 0 has " +
-                                    std::to_string(a) + ", rank " + std::to_string(r) + " has " + std::to_string(b) +
+        throw std::invalid_argument(std::string(where) + ": the ranks disagree on " + names[size_t(i)] +
+                                    ": rank 0 has " + std::to_string(a) + ", rank " + std::to_string(r) + " has " +
+                                    std::to_string(b) +
                                     " (every rank must pass the same heads, splits, head dimensions and types)");
     }
 }
