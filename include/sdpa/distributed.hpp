@@ -467,16 +467,14 @@ MultiHeadForwardResult<typename DQ::Scalar> ringForward(
   sdpa::internal::assertForwardScalars<DQ, DK, DV>();
   constexpr const char* where = "sdpa::distributed::ringAttentionForward";
   const sdpa::internal::mpi::Duplicate dup(comm, where);
-  const internal::Call call{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
-  const sdpa::internal::HeadDims dims =
-      internal::checkCall<Scalar>(where, call.comm, call.ranks, call.rank, q.rows(), q.cols(), k.rows(), k.cols(),
-                                  v.rows(), v.cols(), nullptr, heads, qSplit, kvSplit, scale, mask);
-  internal::Call c = call;
-  c.dims = dims;
+  internal::Call c{where, dup.get(), dup.size(), dup.rank(), qSplit, kvSplit, heads, {0, 0}};
+  c.dims = internal::checkCall<Scalar>(where, c.comm, c.ranks, c.rank, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(),
+                                       v.cols(), nullptr, heads, qSplit, kvSplit, scale, mask);
+  const sdpa::internal::HeadDims dims = c.dims;
   const Index H = heads.query, cK = heads.keyValue * dims.dK;
   const internal::Ring ring(c, mask);
   const Matrix<Scalar> own = internal::packBlock<Scalar>(k, v);
-  const Matrix<Scalar> qm = q;
+  const sdpa::internal::ConstRef<Scalar> qm(q);  // (a copy only for a row-major or expression input)
   Matrix<double> o = Matrix<double>::Zero(q.rows(), H * dims.dV);
   Matrix<double> lse = Matrix<double>::Constant(q.rows(), H, -std::numeric_limits<double>::infinity());
   Matrix<Scalar> partOut;
@@ -554,7 +552,7 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(
   const sdpa::internal::HeadTaus<Scalar> taus(scale, H, dims.dK);
   const internal::Ring ring(c, mask);
   const Matrix<Scalar> own = internal::packBlock<Scalar>(k, v);
-  const Matrix<Scalar> qm = q, dOm = dOut;
+  const sdpa::internal::ConstRef<Scalar> qm(q), dOm(dOut);  // (copies only for row-major or expressions)
   const auto& segs = qSplit.segments(c.rank);
 
   // Each query segment's rows (rows x 4H, the layout of BackwardRows): maxima, sums, D and

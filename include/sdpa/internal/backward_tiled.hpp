@@ -466,7 +466,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   struct Plan {
     std::vector<ItemHead> pairs;
     std::vector<Unit> units;
-    std::vector<typename Impl::Scratch*> scratchOf;
+    std::vector<char> started;  // per thread: it has run a unit (its shares below are zeroed)
     // Thread t's share of dk, dv and a shared dbias (t > 0), owned by the calling thread: a pool
     // thread of the OpenMP runtime may serve another caller's team once this region ends, so
     // its thread_local scratch must not be read after it.
@@ -532,14 +532,14 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
       units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
   const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
-  auto& scratchOf = plan.scratchOf;
-  scratchOf.assign(size_t(std::max(1, threads)), nullptr);
+  auto& started = plan.started;
+  started.assign(size_t(std::max(1, threads)), 0);
   // References: the threads below must reach this thread's plan, not their own thread_local one.
   auto &dkT = plan.dkT, &dvT = plan.dvT, &dbiasT = plan.dbiasT;
-  if (dkT.size() < scratchOf.size()) {
-    dkT.resize(scratchOf.size());
-    dvT.resize(scratchOf.size());
-    dbiasT.resize(scratchOf.size());
+  if (dkT.size() < started.size()) {
+    dkT.resize(started.size());
+    dvT.resize(started.size());
+    dbiasT.resize(started.size());
   }
   // dL/dtau_h of each thread: column t.
   Eigen::Map<Matrix<double>> dscaleT(plan.dscaleT.get(H * std::max(1, threads)), H, std::max(1, threads));
@@ -557,8 +557,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
       });
       return;
     }
-    if (!scratchOf[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
-      scratchOf[size_t(t)] = &sc;
+    if (!started[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
+      started[size_t(t)] = 1;
       if (t > 0) {
         dkT[size_t(t)].setZero(dk.rows(), dk.cols());
         dvT[size_t(t)].setZero(dv.rows(), dv.cols());
@@ -599,8 +599,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     });
   });
   if (from.mode == BackwardRows::Collect) return;
-  for (size_t t = 1; t < scratchOf.size(); ++t) {
-    if (!scratchOf[t]) continue;
+  for (size_t t = 1; t < started.size(); ++t) {
+    if (!started[t]) continue;
     dk += dkT[t];
     dv += dvT[t];
     if (dbias) *dbias += dbiasT[t];
