@@ -96,25 +96,29 @@ constexpr Index roundUp(Index n, Index m) { return (n + m - 1) / m * m; }
 #define SDPA_FAST_NS avx512
 #define SDPA_FAST_TARGET __attribute__((target("avx512f,avx512dq,avx2,fma")))
 #define SDPA_FAST_WIDTH 16
-#define SDPA_FAST_KEYS 8
-#define SDPA_FAST_COLS 8
+#define SDPA_FAST_KEYS 12
+#define SDPA_FAST_COLS 12
+#define SDPA_FAST_FILL 8
 #include "forward_fast_isa.inc"
 #undef SDPA_FAST_NS
 #undef SDPA_FAST_TARGET
 #undef SDPA_FAST_WIDTH
 #undef SDPA_FAST_KEYS
 #undef SDPA_FAST_COLS
+#undef SDPA_FAST_FILL
 #define SDPA_FAST_NS avx2
 #define SDPA_FAST_TARGET __attribute__((target("avx2,fma")))
 #define SDPA_FAST_WIDTH 8
 #define SDPA_FAST_KEYS 6
 #define SDPA_FAST_COLS 6
+#define SDPA_FAST_FILL 6
 #include "forward_fast_isa.inc"
 #undef SDPA_FAST_NS
 #undef SDPA_FAST_TARGET
 #undef SDPA_FAST_WIDTH
 #undef SDPA_FAST_KEYS
 #undef SDPA_FAST_COLS
+#undef SDPA_FAST_FILL
 // clang-format on
 #include "forward_fast_amx.inc"
 #include "forward_fast_bf16.inc"
@@ -147,29 +151,74 @@ inline void expArray(bool base2, const float* x, float* y, Index n) {
     y[i] = base2 ? (x[i] > kExp2Cut ? std::exp2(x[i]) : 0.0f) : (x[i] > kExpCut<float> ? std::exp(x[i]) : 0.0f);
 }
 
+#if SDPA_HAS_ISA_DISPATCH
+/**
+ * maxFiniteAbs's scan of n floats, 8 at a time (compilers leave the plain loop scalar: a compare
+ * and two conditional moves per entry, 5% of a call at n = 1024, d = 64): top = max(top, the
+ * largest finite |x|'s bits), bad |= whether some x is inf or NaN.
+ */
+__attribute__((target("avx2"))) inline void scanFiniteBits(const float* x, Index n, std::uint32_t& top, bool& bad) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i t = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  Index i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude);
+    const __m256i nonFinite = _mm256_cmpgt_epi32(a, _mm256_sub_epi32(exponent, _mm256_set1_epi32(1)));
+    t = _mm256_max_epi32(t, _mm256_andnot_si256(nonFinite, a));  // magnitudes are >= 0 as int32
+    b = _mm256_or_si256(b, nonFinite);
+  }
+  alignas(32) std::uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t);
+  bad = bad || !_mm256_testz_si256(b, b);
+  for (const std::uint32_t v : lanes) top = std::max(top, v);
+  for (; i < n; ++i) {
+    const std::uint32_t a = Eigen::numext::bit_cast<std::uint32_t>(x[i]) & 0x7fffffffu;
+    bad = bad || a >= 0x7f800000u;
+    top = a >= 0x7f800000u ? top : std::max(top, a);
+  }
+}
+#endif
+
 /// Largest |x| over the finite entries of m (0 if none); allFinite: whether every entry is finite.
 template <typename D>
 float maxFiniteAbs(const Eigen::MatrixBase<D>& m, bool& allFinite) {
   using S = typename D::Scalar;
-  if constexpr ((std::is_same_v<S, Eigen::bfloat16> ||
-                 std::is_same_v<S, Eigen::half>)&&bool(D::Flags & Eigen::DirectAccessBit)) {
+  constexpr bool kHalf = std::is_same_v<S, Eigen::bfloat16> || std::is_same_v<S, Eigen::half>;
+  if constexpr ((kHalf || std::is_same_v<S, float>)&&bool(D::Flags & Eigen::DirectAccessBit)) {
     if (m.derived().innerStride() == 1) {
-      // A 16-bit float's magnitude orders as its bits without the sign, and it is finite unless
-      // every exponent bit is set: an integer scan, which vectorises (converting each entry to
-      // float took 6% of a bf16 call at n = 4096, d = 128).
-      constexpr std::uint16_t exponent = std::is_same_v<S, Eigen::bfloat16> ? 0x7f80u : 0x7c00u;
+      // A float's magnitude orders as its bits without the sign, and it is finite unless every
+      // exponent bit is set: an integer scan, which vectorises (converting each 16-bit entry to
+      // float took 6% of a bf16 call at n = 4096, d = 128; the float loop with its branches on
+      // finiteness, 2% of a float call).
+      using Bits = std::conditional_t<kHalf, std::uint16_t, std::uint32_t>;
+      constexpr Bits exponent = std::is_same_v<S, Eigen::bfloat16> ? 0x7f80u
+                                : std::is_same_v<S, Eigen::half>   ? 0x7c00u
+                                                                   : 0x7f800000u;
+      constexpr Bits magnitude = Bits(~Bits(0)) >> 1;
       // (Eight independent maxima: GCC 12's -O2 does not vectorise the plain loop, whose one
       // running maximum is then a chain of a compare and a move per entry.)
       constexpr int kWays = 8;
-      std::uint16_t top[kWays] = {}, bad[kWays] = {};
+      Bits top[kWays] = {}, bad[kWays] = {};
       const auto visit = [&](int w, S x) {
-        const auto a = static_cast<std::uint16_t>(Eigen::numext::bit_cast<std::uint16_t>(x) & 0x7fffu);
+        const auto a = static_cast<Bits>(Eigen::numext::bit_cast<Bits>(x) & magnitude);
         const bool nonFinite = (a & exponent) == exponent;
-        top[w] = std::max(top[w], nonFinite ? std::uint16_t(0) : a);
-        bad[w] = static_cast<std::uint16_t>(bad[w] | (nonFinite ? 1u : 0u));
+        top[w] = std::max(top[w], nonFinite ? Bits(0) : a);
+        bad[w] = static_cast<Bits>(bad[w] | (nonFinite ? 1u : 0u));
       };
       // Columns of column-major storage, rows of row-major.
       const Index inner = m.derived().innerSize();
+#if SDPA_HAS_ISA_DISPATCH
+      if constexpr (std::is_same_v<S, float>) {
+        if (IsaChoice::current() >= Isa::Avx2) {
+          std::uint32_t t = 0;
+          bool b = false;
+          for (Index c = 0; c < m.derived().outerSize(); ++c)
+            scanFiniteBits(m.derived().data() + c * m.derived().outerStride(), inner, t, b);
+          allFinite = !b;
+          return Eigen::numext::bit_cast<float>(t);
+        }
+      }
+#endif
       for (Index c = 0; c < m.derived().outerSize(); ++c) {
         const S* col = m.derived().data() + c * m.derived().outerStride();
         Index i = 0;
@@ -179,7 +228,7 @@ float maxFiniteAbs(const Eigen::MatrixBase<D>& m, bool& allFinite) {
       }
       for (int w = 1; w < kWays; ++w) {
         top[0] = std::max(top[0], top[w]);
-        bad[0] = static_cast<std::uint16_t>(bad[0] | bad[w]);
+        bad[0] = static_cast<Bits>(bad[0] | bad[w]);
       }
       allFinite = bad[0] == 0;
       return float(Eigen::numext::bit_cast<S>(top[0]));
@@ -380,7 +429,7 @@ struct Scratch {
 
 /**
  * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v, any strides)
- * against every key, in tiles of bk keys, written to out (bq x d_v) and lse (bq): the result of
+ * against every key, in tiles of bk {kb, ke, cols}, written to out (bq x d_v) and lse (bq): the result of
  * forward_tiled_impl's stream + finish on such inputs. `bounds` (logitBounds of the head): where
  * a logit may overflow, the tiles are checked and a row that meets a NaN or +inf logit is NaN
  * (the general kernel's rule); where they allow it and the mask only hides, base-2 tiles.
@@ -408,6 +457,13 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
   const Index step = isa >= Isa::Avx512 ? avx512::L : avx2::L;
   const Index lanes = (bq + step - 1) / step * step;
+  // The fp32 kernel takes each key tile one lane group at a time (its logits, softmax and values
+  // products for `step` query rows), so that the group's logits (b_k x step) stay in L1 from one
+  // to the next instead of a whole b_q x b_k tile passing through L2 three times (n 4096, d 128:
+  // the products' rate 175 -> 200 GFLOP/s). Its q^T and acc^T are packed by group: lane i of row
+  // r at (i - i % gl) rows + r gl + i % gl, each group's slice contiguous (no power-of-two stride
+  // between its rows). The bf16 kernel's products take all lanes at once: one group of them.
+  const Index gl = Bf16 ? lanes : step;  // lanes per group: the row stride within its slice
   Scratch& sc = Scratch::thread();
   // Base-2 tiles: where the mask only hides (it commutes with scaling), log2(e) joins the scale
   // and the softmax takes exp2, whose reduction is cheaper than exp's (vexp2): the logits, their
@@ -441,24 +497,32 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     }
   } else {
     qT = sc.qT.get(dK * lanes);
-    for (Index c = 0; c < dK; ++c) {
-      float* row = qT + c * lanes;
-      for (Index i = 0; i < bq; ++i) row[i] = qScale == 1.0f ? float(q(i0 + i, c)) : qScale * float(q(i0 + i, c));
-      std::fill(row + bq, row + lanes, 0.0f);
+    for (Index g = 0; g < lanes; g += gl) {
+      const Index rows = std::min(gl, bq - g);
+      for (Index c = 0; c < dK; ++c) {
+        float* row = qT + g * dK + c * gl;
+        for (Index i = 0; i < rows; ++i)
+          row[i] = qScale == 1.0f ? float(q(i0 + g + i, c)) : qScale * float(q(i0 + g + i, c));
+        std::fill(row + rows, row + gl, 0.0f);
+      }
     }
   }
-  float* sT = sc.sT.get(bk * lanes);
+  float* sT = sc.sT.get(bk * gl);  // one group's logits
   // With a sink, the raw q.k is the product / (tau unit) where a softcap or a bias keeps it from
   // being the logit / tau.
   const bool rawNeeded = stats && !rawIsLogitOverTau(mask, tau);
-  float* rawT = rawNeeded ? sc.rawT.get(bk * lanes) : nullptr;
-  float* figures = stats ? sc.figures.get(kTileFigures * lanes) : nullptr;
+  float* rawT = rawNeeded ? sc.rawT.get(bk * gl) : nullptr;
+  float* figures = stats ? sc.figures.get(kTileFigures * gl) : nullptr;
+  // Each group's running figures (kLaneFigures x gl) at g kLaneFigures, as q^T's slices.
   double* laneStats = stats ? sc.laneStats.get(kLaneFigures * lanes) : nullptr;
   if (stats) {
     std::fill(laneStats, laneStats + kLaneFigures * lanes, 0.0);
-    std::fill(laneStats + kMin * lanes, laneStats + (kMin + 1) * lanes, std::numeric_limits<double>::infinity());
-    for (const int x : {int(kBelow), int(kM)})
-      std::fill(laneStats + x * lanes, laneStats + (x + 1) * lanes, -std::numeric_limits<double>::infinity());
+    for (Index g = 0; g < lanes; g += gl) {
+      double* f = laneStats + g * kLaneFigures;
+      std::fill(f + kMin * gl, f + (kMin + 1) * gl, std::numeric_limits<double>::infinity());
+      for (const int x : {int(kBelow), int(kM)})
+        std::fill(f + x * gl, f + (x + 1) * gl, -std::numeric_limits<double>::infinity());
+    }
   }
   const float limit16 = float(11.089866488461016 * unit), limit32 = float(88.72283905206835 * unit);
   const double toNatural = base2 ? 0.6931471805599453 : 1.0;
@@ -482,7 +546,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   float* vTile = Bf16 ? nullptr : sc.vTile.get(ldt * dV);
   using TileMap = Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>;
   // A partial tile's corners: per lane group, the keys outside [begin, end) hidden from all its
-  // rows (found in chunks of 16 keys) are neither multiplied nor exponentiated. A causal
+  // rows (found in chunks of 16 {kb, ke, cols}) are neither multiplied nor exponentiated. A causal
   // diagonal tile of 256 x 256 keeps 56% of its entries with groups of 32 rows.
   const Index group = step, groups = lanes / step;
   Index* keyBegin = sc.keyBegin.get(groups);
@@ -513,6 +577,12 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     // apply, no scale to multiply by.
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
+    // The fp32 kernel's k and v tiles: row-major ones are read in place (each key's row is
+    // contiguous, a micro-tile's rows are separate streams with no shared L1 set to avoid).
+    const float* kt = kTile;
+    const float* vt = vTile;
+    Index kRs = 1, kCs = ldt, vRs = 1, vCs = ldt;
+    bool vFinite = true;
     if constexpr (Bf16) {
       if (amx) {
         amx::logits(qP, lanes, dK2p, bf->kP + j0 * bf->kLd, bf->kLd, {rb, re, cols}, sT);
@@ -520,11 +590,8 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       } else {
         avx512bf16::logits(qP, lanes, dK2, bf->kP + j0, bf->kLd, tau * unit, {rb, re, cols}, sT, plain ? top : nullptr);
       }
+      vFinite = bf->vFinite[j0 / bk] != 0;
     } else {
-      // Row-major k is read in place: each key's row is contiguous, the micro-tile's rows are
-      // separate streams (no shared L1 set at a power-of-two column stride to avoid).
-      const float* kt = kTile;
-      Index kRs = 1, kCs = ldt;
       if constexpr (RowMajorK) {
         kt = k.derived().data() + j0 * k.derived().rowStride();
         kRs = k.derived().rowStride();
@@ -532,85 +599,89 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       } else {
         copyRows(k, j0, cols, kTile, ldt);
       }
-      if (isa >= Isa::Avx512)
-        avx512::logits(qT, lanes, dK, kt, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
-      else
-        avx2::logits(qT, lanes, dK, kt, kRs, kCs, {rb, re, cols}, sT, plain ? top : nullptr);
-    }
-    if (rawNeeded) std::copy(sT, sT + cols * lanes, rawT);
-    // The tile as the masks see it: bq x cols, S(i, j) at sT[j lanes + i].
-    Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, bq, cols, Eigen::OuterStride<>(lanes));
-    // Entries out of range are hidden and never read by the softmax; the scale and a mask that
-    // does more than hide read every entry, so there they are given a value first.
-    if (ranged && (!fold || !mask::internal::OnlyHides<Mask>::value))
-      for (Index g = 0; g < groups; ++g) {
-        const Index r0 = g * group, rows = std::min(group, bq - r0);
-        if (rows <= 0) continue;
-        s.block(r0, 0, rows, keyBegin[g]).setConstant(-std::numeric_limits<float>::infinity());
-        s.block(r0, keyEnd[g], rows, cols - keyEnd[g]).setConstant(-std::numeric_limits<float>::infinity());
+      if constexpr (RowMajorV) {
+        vt = v.derived().data() + j0 * v.derived().rowStride();
+        vRs = v.derived().rowStride();
+        vCs = 1;
+        vFinite = allFiniteVectorised(v.middleRows(j0, cols));
+      } else {
+        copyRows(v, j0, cols, vTile, ldt);
+        vFinite = allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt)));
       }
-    if (!fold) s *= tileScale;
-    if (t == mask::Tile::Partial) mask.apply(s, i0, j0, nQ, nK, head);
+    }
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
     const bool checked = !bounds.bounded || t == mask::Tile::Partial;
-    const float* tileMax = plain ? top : nullptr;
     // A sink's figures: those the softmax cannot give first (the logits then become weights),
     // the rest from inside the softmax's pass.
     const int statsMode = !stats ? kNoStats : t == mask::Tile::Visible && !checked ? kStatsVisible : kStatsAny;
     const float rawScale = 1.0f / (fold ? tau * unit : 1.0f);
-    if (isa >= Isa::Avx512) {
-      if (stats)
-        avx512::statsBeforeSoftmax(sT, rawT, rawScale, lanes, {rb, re, cols}, tileMax, limit16, limit32, figures);
-      if (base2)
-        avx512::softmaxTileWith<true>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
-                                      figures);
-      else
-        avx512::softmaxTileWith<false>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
-                                       figures);
-      if (stats) avx512::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
-    } else {
-      if (stats)
-        avx2::statsBeforeSoftmax(sT, rawT, rawScale, lanes, {rb, re, cols}, tileMax, limit16, limit32, figures);
-      if (base2)
-        avx2::softmaxTileWith<true>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
-                                    figures);
-      else
-        avx2::softmaxTileWith<false>(statsMode, sT, lanes, {rb, re, cols}, tileMax, checked, m, l, accT, dV, bad,
-                                     figures);
-      if (stats) avx2::addStats(figures, m, toNatural, bq, lanes, j0, laneStats);
-    }
-    if constexpr (Bf16) {
-      if (bf->vFinite[j0 / bk] != 0) {
-        if (amx) {
-          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP, amx::kKeys);
-          amx::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accT);
-        } else {
-          avx512bf16::weightPairs(sT, lanes, {rb, re, cols}, pP);
-          avx512bf16::values(pP, lanes, {rb, re, cols}, bf->vP + j0 / 2, bf->vLd, dV, accT);
+    for (Index g = 0; g < lanes; g += gl) {
+      const Index rows = std::min(gl, bq - g);
+      // The group's key ranges (KeyRanges: each ISA has its own, built at the calls).
+      const Index* kb = rb ? rb + g / group : nullptr;
+      const Index* ke = re ? re + g / group : nullptr;
+      float* tileMax = plain ? top + g : nullptr;
+      float* accG = accT + g * dVp;
+      if constexpr (!Bf16) {
+        if (isa >= Isa::Avx512)
+          avx512::logits(qT + g * dK, gl, dK, kt, kRs, kCs, {kb, ke, cols}, sT, tileMax);
+        else
+          avx2::logits(qT + g * dK, gl, dK, kt, kRs, kCs, {kb, ke, cols}, sT, tileMax);
+      }
+      if (rawNeeded) std::copy(sT, sT + cols * gl, rawT);
+      // The group's tile as the masks see it: rows x cols, S(i, j) at sT[j gl + i].
+      Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, rows, cols, Eigen::OuterStride<>(gl));
+      // Entries out of range are hidden and never read by the softmax; the scale and a mask that
+      // does more than hide read every entry, so there they are given a value first.
+      if (ranged && (!fold || !mask::internal::OnlyHides<Mask>::value))
+        for (Index h = 0; h < rows; h += group) {
+          const Index n = std::min(group, rows - h), b = keyBegin[(g + h) / group], e = keyEnd[(g + h) / group];
+          s.block(h, 0, n, b).setConstant(-std::numeric_limits<float>::infinity());
+          s.block(h, e, n, cols - e).setConstant(-std::numeric_limits<float>::infinity());
         }
+      if (!fold) s *= tileScale;
+      if (t == mask::Tile::Partial) mask.apply(s, i0 + g, j0, nQ, nK, head);
+      double* laneStatsG = stats ? laneStats + g * kLaneFigures : nullptr;
+      if (isa >= Isa::Avx512) {
+        if (stats)
+          avx512::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
+        if (base2)
+          avx512::softmaxTileWith<true>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
+                                        bad + g, figures);
+        else
+          avx512::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
+                                         bad + g, figures);
+        if (stats) avx512::addStats(figures, m + g, toNatural, rows, gl, j0, laneStatsG);
       } else {
-        const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
-        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accT);
+        if (stats) avx2::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
+        if (base2)
+          avx2::softmaxTileWith<true>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
+                                      bad + g, figures);
+        else
+          avx2::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
+                                       bad + g, figures);
+        if (stats) avx2::addStats(figures, m + g, toNatural, rows, gl, j0, laneStatsG);
       }
-    } else {
-      const float* vt = vTile;
-      Index vRs = 1, vCs = ldt;
-      bool finite = true;
-      if constexpr (RowMajorV) {  // read in place, as k
-        vt = v.derived().data() + j0 * v.derived().rowStride();
-        vRs = v.derived().rowStride();
-        vCs = 1;
-        finite = allFiniteVectorised(v.middleRows(j0, cols));
+      if (!vFinite) {
+        if constexpr (Bf16) {
+          vRs = v.derived().rowStride(), vCs = v.derived().colStride();
+          valuesSkippingZeros(sT, gl, rows, cols, kb, ke, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accG);
+        } else {
+          valuesSkippingZeros(sT, gl, rows, cols, kb, ke, group, vt, vRs, vCs, dV, accG);
+        }
+      } else if constexpr (Bf16) {
+        if (amx) {
+          avx512bf16::weightPairs(sT, gl, {kb, ke, cols}, pP, amx::kKeys);
+          amx::values(pP, gl, {kb, ke, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accG);
+        } else {
+          avx512bf16::weightPairs(sT, gl, {kb, ke, cols}, pP);
+          avx512bf16::values(pP, gl, {kb, ke, cols}, bf->vP + j0 / 2, bf->vLd, dV, accG);
+        }
+      } else if (isa >= Isa::Avx512) {
+        avx512::values(sT, gl, {kb, ke, cols}, vt, vRs, vCs, dV, accG);
       } else {
-        copyRows(v, j0, cols, vTile, ldt);
-        finite = allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt)));
+        avx2::values(sT, gl, {kb, ke, cols}, vt, vRs, vCs, dV, accG);
       }
-      if (!finite)
-        valuesSkippingZeros(sT, lanes, bq, cols, rb, re, group, vt, vRs, vCs, dV, accT);
-      else if (isa >= Isa::Avx512)
-        avx512::values(sT, lanes, {rb, re, cols}, vt, vRs, vCs, dV, accT);
-      else
-        avx2::values(sT, lanes, {rb, re, cols}, vt, vRs, vCs, dV, accT);
     }
   }
   // OnlineSoftmax::finish: out = acc / l by the reciprocal, 0 and -inf for a row that saw nothing.
@@ -624,12 +695,13 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     r[i] = bad[i] != 0.0f ? nan : m[i] == minusInf ? 0.0f : 1.0f / l[i];
   }
   using OutScalar = typename DOut::Scalar;
-  for (Index c = 0; c < dV; ++c) {
-    const float* a = accT + c * lanes;
-    for (Index i = 0; i < bq; ++i) out(i, c) = OutScalar(bad[i] != 0.0f ? nan : r[i] * a[i]);
-  }
+  for (Index g = 0; g < bq; g += gl)
+    for (Index c = 0; c < dV; ++c) {
+      const float* a = accT + g * dVp + c * gl;
+      for (Index i = g; i < std::min(bq, g + gl); ++i) out(i, c) = OutScalar(bad[i] != 0.0f ? nan : r[i] * a[i - g]);
+    }
   for (Index i = 0; stats && i < bq; ++i) {
-    const auto lane = [&](int x) { return laneStats[x * lanes + i]; };
+    const auto lane = [&](int x) { return laneStats[(i - i % gl) * kLaneFigures + x * gl + i % gl]; };
     RowStream row;
     row.m = lane(kM);
     TileSums& x = row.t;

@@ -716,21 +716,42 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     return useFast && u.nQ > Impl::kDecodeRows &&
            !(stats && headScale(scale, u.head).template value<float>(dims.dK) == 0.0f);
   };
+  const int threads = maxThreads();
+  // The fp32 products' own block sizes, for prefill: the kernel takes a tile one lane group at a
+  // time (forward_fast.hpp), so a large query block costs no L1 and saves copies of k and v
+  // (each query block reads all of them): 512 x 128 (BM_ForwardBlocks, n 4096, d 16..256, one
+  // thread: 3-8% above 256 x 256). 256 query rows where the threads' shares are evener so
+  // (n_q 1536 on 2 threads: 3 blocks of 512, 6 of 256).
+  TileSizes fastTile = tile;
+  if (useFast && !useBf16) {
+    if (kernel.blockK <= 0) fastTile.k = 128;
+    if (kernel.blockQ <= 0) {
+      const auto makespan = [&](Index bq) {
+        Index blocks = 0;
+        for (const ItemHead& u : pairs)
+          if (prefill(u)) blocks += (u.nQ + bq - 1) / bq;
+        return (blocks + threads - 1) / threads * bq;
+      };
+      fastTile.q = makespan(512) <= makespan(256) ? 512 : 256;
+    }
+  }
   auto& units = plan.units;
   units.clear();
   Index parts = 0;
-  for (Index p = 0; p < Index(pairs.size()); ++p)
-    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q) {
-      const Index rows = std::min(tile.q, pairs[size_t(p)].nQ - i0);
-      const Index splits = prefill(pairs[size_t(p)]) ? 1 : keySplits(rows, pairs[size_t(p)].nK, tile.k);
+  for (Index p = 0; p < Index(pairs.size()); ++p) {
+    const bool fastPair = prefill(pairs[size_t(p)]);
+    const Index bq = fastPair ? fastTile.q : tile.q;
+    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += bq) {
+      const Index rows = std::min(bq, pairs[size_t(p)].nQ - i0);
+      const Index splits = fastPair ? 1 : keySplits(rows, pairs[size_t(p)].nK, tile.k);
       units.push_back({p, i0, rows, splits, parts});
       parts += splits;
     }
-  const int threads = maxThreads();
+  }
 
   // bf16 pairs never straddle two key tiles: an even tile length; the AMX products take blocks of
   // 32 keys.
-  const Index bk = useAmx ? fast::amx::roundUp(tile.k, fast::amx::kKeys) : useBf16 ? tile.k + (tile.k & 1) : tile.k;
+  const Index bk = useAmx ? fast::amx::roundUp(tile.k, fast::amx::kKeys) : useBf16 ? tile.k + (tile.k & 1) : fastTile.k;
   auto& bounds = plan.bounds;
   // Half inputs: each (item, kv head)'s k and v once per call, as floats (kF, vF) or as bf16
   // pairs (bf16), at offsets in one buffer that the calling thread keeps from call to call
