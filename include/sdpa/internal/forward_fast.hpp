@@ -294,20 +294,6 @@ void valuesSkippingZeros(const float* pT, Index lanes, Index bq, Index bk, const
     }
 }
 
-/// rows [j0, j0 + cols) of m (float, n x d) into `tile` (cols x d, column stride ld): a memcpy
-/// per column where m's columns are contiguous, else Eigen's strided copy.
-template <typename D>
-void copyRows(const Eigen::MatrixBase<D>& m, Index j0, Index cols, float* tile, Index ld) {
-  const Index d = m.cols(), rs = m.derived().rowStride(), cs = m.derived().colStride();
-  if (rs == 1) {
-    const float* src = m.derived().data() + j0;
-    for (Index c = 0; c < d; ++c) std::memcpy(tile + c * ld, src + c * cs, size_t(cols) * sizeof(float));
-  } else {
-    Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>(tile, cols, d, Eigen::OuterStride<>(ld)) =
-        m.middleRows(j0, cols);
-  }
-}
-
 /// The bf16 bits of x: exact for bfloat16, rounded to nearest even for half (AllowFp16).
 inline std::uint32_t bf16Bits(Eigen::bfloat16 x) { return Eigen::numext::bit_cast<std::uint16_t>(x); }
 inline std::uint32_t bf16Bits(Eigen::half x) {
@@ -429,7 +415,7 @@ struct Scratch {
 
 /**
  * Query rows [i0, i0 + bq) of one head (q n_q x d_k, k n_k x d_k, v n_k x d_v, any strides)
- * against every key, in tiles of bk {kb, ke, cols}, written to out (bq x d_v) and lse (bq): the result of
+ * against every key, in tiles of bk keys, written to out (bq x d_v) and lse (bq): the result of
  * forward_tiled_impl's stream + finish on such inputs. `bounds` (logitBounds of the head): where
  * a logit may overflow, the tiles are checked and a row that meets a NaN or +inf logit is NaN
  * (the general kernel's rule); where they allow it and the mask only hides, base-2 tiles.
@@ -447,8 +433,6 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
 #if SDPA_HAS_ISA_DISPATCH
   using In = typename DK::Scalar;  // k and v's: what the products take
   constexpr bool Bf16 = !std::is_same_v<In, float>;
-  constexpr bool RowMajorK = bool(DK::Flags & Eigen::RowMajorBit) && DK::ColsAtCompileTime != 1;
-  constexpr bool RowMajorV = bool(DV::Flags & Eigen::RowMajorBit) && DV::ColsAtCompileTime != 1;
   static_assert(!Bf16 || std::is_same_v<In, Eigen::bfloat16> || std::is_same_v<In, Eigen::half>,
                 "the fast kernel takes float, bfloat16 or half k and v");
   auto& out = const_cast<Eigen::MatrixBase<DOut>&>(out_);  // Eigen's idiom to write into blocks
@@ -536,17 +520,16 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   std::fill(accT, accT + dVp * lanes, 0.0f);
   std::fill(m, m + lanes, -std::numeric_limits<float>::infinity());
   std::fill(l, l + lanes, 0.0f);
-  // The fp32 kernel's k and v tiles are copied, column-major with a column stride of an odd
-  // number of cache lines: read in place, the columns of a head of n_k = 4096 keys lie 16 KiB
-  // apart (a multiple of 4 KiB), so the d_k columns that a micro-tile reads all map to one L1
-  // set and evict each other (n = 4096, d = 64: a third of the products' time on an AVX2 Zen).
-  // A copy costs (d_k + d_v) loads and stores per key against 4 b_q d FLOPs.
-  const Index ldt = oddLineStride(bk);
-  float* kTile = Bf16 ? nullptr : sc.kTile.get(ldt * dK);
-  float* vTile = Bf16 ? nullptr : sc.vTile.get(ldt * dV);
-  using TileMap = Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>;
+  // The fp32 kernel's k and v tiles, packed in the micro-tiles' panels (packKeys, packValues),
+  // from either storage order. Read in place, a micro-tile's broadcasts come from a stream per
+  // key or column (a pointer register each), and at n_k = 4096 the columns of a column-major
+  // head lie 16 KiB apart, so those a micro-tile reads share one L1 set and evict each other.
+  // Packed: n 4096, one thread, logits 200 -> 228 GFLOP/s at d 256, 215 -> 230 at d 128 (the
+  // micro-kernels alone). A copy costs (d_k + d_v) loads and stores per key against 4 b_q d FLOPs.
+  float* kTile = Bf16 ? nullptr : sc.kTile.get(bk * dK);
+  float* vTile = Bf16 ? nullptr : sc.vTile.get(bk * dV);
   // A partial tile's corners: per lane group, the keys outside [begin, end) hidden from all its
-  // rows (found in chunks of 16 {kb, ke, cols}) are neither multiplied nor exponentiated. A causal
+  // rows (found in chunks of 16 keys) are neither multiplied nor exponentiated. A causal
   // diagonal tile of 256 x 256 keeps 56% of its entries with groups of 32 rows.
   const Index group = step, groups = lanes / step;
   Index* keyBegin = sc.keyBegin.get(groups);
@@ -577,11 +560,6 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
     // apply, no scale to multiply by.
     const bool plain = t == mask::Tile::Visible && fold;
     if (plain) std::fill(top, top + lanes, -std::numeric_limits<float>::infinity());
-    // The fp32 kernel's k and v tiles: row-major ones are read in place (each key's row is
-    // contiguous, a micro-tile's rows are separate streams with no shared L1 set to avoid).
-    const float* kt = kTile;
-    const float* vt = vTile;
-    Index kRs = 1, kCs = ldt, vRs = 1, vCs = ldt;
     bool vFinite = true;
     if constexpr (Bf16) {
       if (amx) {
@@ -592,22 +570,18 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       }
       vFinite = bf->vFinite[j0 / bk] != 0;
     } else {
-      if constexpr (RowMajorK) {
-        kt = k.derived().data() + j0 * k.derived().rowStride();
-        kRs = k.derived().rowStride();
-        kCs = 1;
+      const float* kSrc = k.derived().data() + j0 * k.derived().rowStride();
+      const float* vSrc = v.derived().data() + j0 * v.derived().rowStride();
+      const Index kRs = k.derived().rowStride(), kCs = k.derived().colStride();
+      const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
+      if (isa >= Isa::Avx512) {
+        avx512::packKeys(kSrc, kRs, kCs, cols, dK, kTile);
+        avx512::packValues(vSrc, vRs, vCs, cols, dV, vTile);
       } else {
-        copyRows(k, j0, cols, kTile, ldt);
+        avx2::packKeys(kSrc, kRs, kCs, cols, dK, kTile);
+        avx2::packValues(vSrc, vRs, vCs, cols, dV, vTile);
       }
-      if constexpr (RowMajorV) {
-        vt = v.derived().data() + j0 * v.derived().rowStride();
-        vRs = v.derived().rowStride();
-        vCs = 1;
-        vFinite = allFiniteVectorised(v.middleRows(j0, cols));
-      } else {
-        copyRows(v, j0, cols, vTile, ldt);
-        vFinite = allFiniteVectorised(TileMap(vTile, cols, dV, Eigen::OuterStride<>(ldt)));
-      }
+      vFinite = allFiniteVectorised(Eigen::Map<const Eigen::VectorXf>(vTile, cols * dV));
     }
     // A mask may bring NaN or +inf (its bias), and so may products that can overflow.
     const bool checked = !bounds.bounded || t == mask::Tile::Partial;
@@ -624,9 +598,9 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       float* accG = accT + g * dVp;
       if constexpr (!Bf16) {
         if (isa >= Isa::Avx512)
-          avx512::logits(qT + g * dK, gl, dK, kt, kRs, kCs, {kb, ke, cols}, sT, tileMax);
+          avx512::logits(qT + g * dK, gl, dK, kTile, {kb, ke, cols}, sT, tileMax);
         else
-          avx2::logits(qT + g * dK, gl, dK, kt, kRs, kCs, {kb, ke, cols}, sT, tileMax);
+          avx2::logits(qT + g * dK, gl, dK, kTile, {kb, ke, cols}, sT, tileMax);
       }
       if (rawNeeded) std::copy(sT, sT + cols * gl, rawT);
       // The group's tile as the masks see it: rows x cols, S(i, j) at sT[j gl + i].
@@ -662,13 +636,9 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
                                        bad + g, figures);
         if (stats) avx2::addStats(figures, m + g, toNatural, rows, gl, j0, laneStatsG);
       }
-      if (!vFinite) {
-        if constexpr (Bf16) {
-          vRs = v.derived().rowStride(), vCs = v.derived().colStride();
-          valuesSkippingZeros(sT, gl, rows, cols, kb, ke, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accG);
-        } else {
-          valuesSkippingZeros(sT, gl, rows, cols, kb, ke, group, vt, vRs, vCs, dV, accG);
-        }
+      if (!vFinite) {  // reads v in place
+        const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
+        valuesSkippingZeros(sT, gl, rows, cols, kb, ke, group, v.derived().data() + j0 * vRs, vRs, vCs, dV, accG);
       } else if constexpr (Bf16) {
         if (amx) {
           avx512bf16::weightPairs(sT, gl, {kb, ke, cols}, pP, amx::kKeys);
@@ -678,9 +648,9 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
           avx512bf16::values(pP, gl, {kb, ke, cols}, bf->vP + j0 / 2, bf->vLd, dV, accG);
         }
       } else if (isa >= Isa::Avx512) {
-        avx512::values(sT, gl, {kb, ke, cols}, vt, vRs, vCs, dV, accG);
+        avx512::values(sT, gl, {kb, ke, cols}, vTile, dV, accG);
       } else {
-        avx2::values(sT, gl, {kb, ke, cols}, vt, vRs, vCs, dV, accG);
+        avx2::values(sT, gl, {kb, ke, cols}, vTile, dV, accG);
       }
     }
   }

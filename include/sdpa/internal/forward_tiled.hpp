@@ -2,6 +2,7 @@
 #define SDPA_INTERNAL_FORWARD_TILED_HPP
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -718,21 +719,55 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
   };
   const int threads = maxThreads();
   // The fp32 products' own block sizes, for prefill: the kernel takes a tile one lane group at a
-  // time (forward_fast.hpp), so a large query block costs no L1 and saves copies of k and v
-  // (each query block reads all of them): 512 x 128 (BM_ForwardBlocks, n 4096, d 16..256, one
-  // thread: 3-8% above 256 x 256). 256 query rows where the threads' shares are evener so
-  // (n_q 1536 on 2 threads: 3 blocks of 512, 6 of 256).
+  // time (forward_fast.hpp), so a large query block costs no L1 and saves packings of k and v
+  // (each query block reads all of them): up to 1024 x 128 (BM_ForwardBlocks, n 4096, d 64..256,
+  // one thread: 1024 rows 2-4% above 512, 512 3-8% above 256 x 256). Fewer rows where the
+  // threads' shares are evener so: each block's work (rows x keys its mask leaves, a partial
+  // tile counted half) dealt in order to the thread free first, as parallelFor's dynamic schedule
+  // does; the size whose last thread finishes first, ties to the larger (n_q 1024 on 2 threads:
+  // 2 blocks of 512, not 1 of 1024).
   TileSizes fastTile = tile;
   if (useFast && !useBf16) {
+    // A mask that hides leaves partial tiles along its edges, which cost more per entry (the mask
+    // applied, the checked softmax) and cover bq / 2 keys of every row: at most 512 rows there
+    // (causal n 4096, d 64, one thread: 1024 rows 0.56x the unmasked time, 512 0.545x).
+    const Index largestQ = Mask::IsNone ? 1024 : 512;
     if (kernel.blockK <= 0) fastTile.k = 128;
-    if (kernel.blockQ <= 0) {
+    if (kernel.blockQ <= 0 && threads > 1) {
       const auto makespan = [&](Index bq) {
-        Index blocks = 0;
-        for (const ItemHead& u : pairs)
-          if (prefill(u)) blocks += (u.nQ + bq - 1) / bq;
-        return (blocks + threads - 1) / threads * bq;
+        constexpr int kMaxThreads = 64;
+        std::array<double, kMaxThreads> load{};
+        const auto end = load.begin() + std::min(threads, kMaxThreads);
+        // (In the order the units run: last first under a mask.)
+        for (size_t p = pairs.size(); p-- > 0;) {
+          const ItemHead& u = pairs[Mask::IsNone ? pairs.size() - 1 - p : p];
+          if (!prefill(u)) continue;
+          const auto m = itemMask(mask, u);
+          const Index blocks = (u.nQ + bq - 1) / bq;
+          for (Index b = 0; b < blocks; ++b) {
+            const Index i0 = (Mask::IsNone ? b : blocks - 1 - b) * bq, rows = std::min(bq, u.nQ - i0);
+            double keys = double(u.nK);
+            if constexpr (!std::decay_t<decltype(m)>::IsNone) {
+              keys = 0.0;
+              for (Index j0 = 0; j0 < u.nK; j0 += fastTile.k) {
+                const Index cols = std::min(fastTile.k, u.nK - j0);
+                const mask::Tile t = m.classify(i0, rows, j0, cols, u.nQ, u.nK, u.head);
+                keys += t == mask::Tile::Visible ? double(cols) : t == mask::Tile::Partial ? 0.5 * double(cols) : 0.0;
+              }
+            }
+            *std::min_element(load.begin(), end) += double(rows) * keys;
+          }
+        }
+        return *std::max_element(load.begin(), end);
       };
-      fastTile.q = makespan(512) <= makespan(256) ? 512 : 256;
+      fastTile.q = largestQ;
+      double best = makespan(fastTile.q);
+      for (const Index bq : {512, 256}) {
+        const double t = bq < largestQ ? makespan(bq) : best;
+        if (t < best) fastTile.q = bq, best = t;
+      }
+    } else if (kernel.blockQ <= 0) {
+      fastTile.q = largestQ;
     }
   }
   auto& units = plan.units;
@@ -904,10 +939,14 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     // Grouped only where the groups still give every thread work.
     const bool grouped = groups < Index(units.size()) && groups >= threads && !stats;
     if (grouped) groupStart.push_back(Index(units.size()));
+    const bool latestFirst = !Mask::IsNone && threads > 1;
     parallelFor(grouped ? groups : Index(units.size()), threads, [&](Index i) {
       auto& sc = Impl::threadScratch();
       if (!grouped || groupStart[size_t(i) + 1] - groupStart[size_t(i)] == 1) {
-        const Unit& w = units[size_t(grouped ? groupStart[size_t(i)] : i)];
+        // Masked calls deal their units last first: under a causal mask the later query blocks
+        // see more keys, and the largest first evens the threads' shares (as fastTile assumed).
+        const Index at = grouped ? groupStart[size_t(i)] : latestFirst ? Index(units.size()) - 1 - i : i;
+        const Unit& w = units[size_t(at)];
         if (fastUnit(w)) return;
         slice(w, 0, sc.state, sc, stats ? &sc.rows : nullptr);
         for (Index s = 1; s < w.splits; ++s) {
