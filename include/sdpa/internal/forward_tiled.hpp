@@ -720,8 +720,8 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
   const int threads = maxThreads();
   // The fp32 products' own block sizes, for prefill: the kernel takes a tile one lane group at a
   // time (forward_fast.hpp), so a large query block costs no L1 and saves packings of k and v
-  // (each query block reads all of them): up to 1024 x 128 (BM_ForwardBlocks, n 4096, d 64..256,
-  // one thread: 1024 rows 2-4% above 512, 512 3-8% above 256 x 256). Fewer rows where the
+  // (each query block reads all of them): up to 1024 query rows (BM_ForwardBlocks, n 4096,
+  // d 64..256, one thread: 1024 rows 2-4% above 512, 512 3-8% above 256). Fewer rows where the
   // threads' shares are evener so: each block's work (rows x keys its mask leaves, a partial
   // tile counted half) dealt in order to the thread free first, as parallelFor's dynamic schedule
   // does; the size whose last thread finishes first, ties to the larger (n_q 1024 on 2 threads:
@@ -732,7 +732,8 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     // applied, the checked softmax) and cover bq / 2 keys of every row: at most 512 rows there
     // (causal n 4096, d 64, one thread: 1024 rows 0.56x the unmasked time, 512 0.545x).
     const Index largestQ = Mask::IsNone ? 1024 : 512;
-    if (kernel.blockK <= 0) fastTile.k = 128;
+    // 256 keys per tile from d = 128 (n 4096, one thread: d 256 +2.5%, d 128 +1% over 128 keys).
+    if (kernel.blockK <= 0) fastTile.k = std::max(dims.dK, dims.dV) >= 128 ? 256 : 128;
     if (kernel.blockQ <= 0 && threads > 1) {
       const auto makespan = [&](Index bq) {
         constexpr int kMaxThreads = 64;
