@@ -405,7 +405,7 @@ struct Scratch {
   Buffer<float> rawT, figures;  // a DiagnosticsSink's: the products, a tile's figures
   Buffer<double> laneStats;     // its lanes' running figures (addStats)
   Buffer<Index> keyBegin, keyEnd;
-  Buffer<float> kTile, vTile;    // the fp32 kernel's k and v tiles, copied (forwardBlock)
+  Buffer<float> kTile, vTile;    // the fp32 kernel's k and v tiles, packed (packKeys, packValues)
   Buffer<std::uint32_t> qP, pP;  // the bf16 kernel's q^T and weights, in pairs
   static Scratch& thread() {
     thread_local Scratch scratch;
