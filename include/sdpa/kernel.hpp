@@ -43,9 +43,10 @@ enum class Products {
 /**
  * \brief FlashAttention-2 style tiled kernel: blocks of query rows stream blocks of keys and
  * values with an online softmax; never materialises n_q x n_k (scratch per thread
- * O(blockQ x blockK + (blockQ + blockK) d)); skips tiles a mask hides entirely; threads with OpenMP over (batch item, head, query
- * block) and, when those are fewer than the threads (decoding), over key ranges merged by their
- * logSumExp. Block sizes 0 mean "chosen for d_k" (docs/PERFORMANCE.md gives the table).
+ * O(blockQ x blockK + (blockQ + blockK) d)); skips tiles a mask hides entirely; threads with
+ * OpenMP over (batch item, head, query block) and, when those are fewer than the threads
+ * (decoding), over key ranges merged by their logSumExp. Block sizes 0 mean "chosen per call"
+ * (by d_k, the mask and the threads: docs/PERFORMANCE.md, "Block sizes").
  */
 struct Tiled {
   static constexpr bool IsKernel = true;
