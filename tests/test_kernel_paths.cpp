@@ -444,3 +444,131 @@ TEST_CASE("special values in the bf16 dot-product kernel follow the general kern
       },
       true);
 }
+
+namespace {
+
+/**
+ * The float backward (internal/backward_fast.hpp on the AVX-512 and AVX2 paths, the general tiles
+ * on the portable one) under every ISA and two block sizes, against the fp64 oracle by the
+ * FlashAttention rule: each gradient's error at most twice that of the plain float computation
+ * (referenceBackward<float>) plus the rounding of the logits.
+ */
+template <typename Scale, typename Mask>
+void checkBackwardEveryIsa(const Mat<float>& q, const Mat<float>& k, const Mat<float>& v, const Mat<float>& dO,
+                           const Scale& scale, const Mask& mask, long double tau, const VisibleFn& visible,
+                           std::initializer_list<kernel::Tiled> kernels = {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
+  const auto gold = referenceBackward<double>(q, k, v, dO, tau, visible);
+  const auto plain = referenceBackward<float>(q, k, v, dO, tau, visible);
+  const auto one = [](double x) { return Mat<double>::Constant(1, 1, x); };
+  const double errors[] = {maxAbsDiff(plain.dq, gold.dq), maxAbsDiff(plain.dk, gold.dk), maxAbsDiff(plain.dv, gold.dv),
+                           maxAbsDiff(one(plain.dscale), one(gold.dscale))};
+  const double scales[] = {maxAbs(gold.dq), maxAbs(gold.dk), maxAbs(gold.dv), std::abs(gold.dscale)};
+  forEachIsa([&](Isa) {
+    for (const kernel::Tiled& kern : kernels) {
+      INFO("blocks " << kern.blockQ << " x " << kern.blockK);
+      const auto fwd = sdpa::attentionForward(kern, q, k, v, scale, mask);
+      const auto g = sdpa::attentionBackward(kern, q, k, v, fwd, dO, scale, mask);
+      const double got[] = {maxAbsDiff(g.dq, gold.dq), maxAbsDiff(g.dk, gold.dk), maxAbsDiff(g.dv, gold.dv),
+                            maxAbsDiff(one(g.dscale), one(gold.dscale))};
+      const char* names[] = {"dq", "dk", "dv", "dtau"};
+      for (int i = 0; i < 4; ++i) {
+        INFO(names[i] << ": error " << got[i] << ", plain float " << errors[i]);
+        CHECK(got[i] <= errorBound<float>(errors[i], scales[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("every ISA path of the float backward matches the fp64 reference  [seed C17]", "[tiled][isa][backward]") {
+  std::uint64_t seed = 5100;
+  struct Shape {
+    Index nQ, nK, dK, dV;
+  };
+  // Rows and keys that are not multiples of the lane groups (32, 16) or micro-tiles, d not of
+  // the vector width (the padded dk and dv rows), a head wider than 128.
+  const std::vector<Shape> shapes = {{67, 45, 16, 16}, {130, 257, 64, 64}, {33, 300, 100, 37}, {21, 61, 256, 7}};
+  for (const Shape& s : shapes) {
+    INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
+    const Mat<float> q = randn<float>(s.nQ, s.dK, ++seed), k = randn<float>(s.nK, s.dK, ++seed),
+                     v = randn<float>(s.nK, s.dV, ++seed), dO = randn<float>(s.nQ, s.dV, ++seed);
+    const long double tau = 1.0L / std::sqrt((long double)s.dK);
+    const Index off = s.nK - s.nQ;
+    SECTION("1 / sqrt(d_k), folded into q") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible());
+    }
+    SECTION("unscaled: large logits") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::None{}, mask::None{}, 1.0L, allVisible());
+    }
+    SECTION("tau 1.5: applied to the logits, not folded") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::Constant{1.5}, mask::None{}, 1.5L, allVisible());
+    }
+    SECTION("causal, lower right: partial and hidden tiles") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+                            [=](Index i, Index j) { return j <= i + off; });
+    }
+    SECTION("sliding window") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::SlidingWindow{20, 3, Align::UpperLeft}, tau,
+                            [](Index i, Index j) { return j <= i + 3 && j >= i - 20; });
+    }
+    SECTION("rows past a query length see nothing: zero gradients") {
+      checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::QueryLength{s.nQ - 3}, tau,
+                            [&](Index i, Index) { return i < s.nQ - 3; });
+    }
+  }
+}
+
+TEST_CASE("the float backward keeps or recomputes a block's tiles: both within the rule", "[tiled][isa][backward]") {
+  // A block of 128 query rows keeps its logits and dP against every key while they fit 64 MiB
+  // (fast::kBackwardFastCacheBytes): 66000 keys do not, and the second pass recomputes them.
+  const Index nQ = 100, nK = 66000, d = 3;
+  const Mat<float> q = randn<float>(nQ, d, 1, 2.0), k = randn<float>(nK, d, 2), v = randn<float>(nK, d, 3),
+                   dO = randn<float>(nQ, d, 4);
+  const long double tau = 1.0L / std::sqrt(3.0L);
+  checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+                        [=](Index i, Index j) { return j <= i + nK - nQ; }, {kernel::Tiled{128, 128}});
+  checkBackwardEveryIsa(q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(),
+                        {kernel::Tiled{128, 128}, kernel::Tiled{}});
+}
+
+TEST_CASE("the float backward: the AVX2 and AVX-512 paths give the same bits, GQA and batches included",
+          "[tiled][isa][backward]") {
+  // Each gradient entry is the same sum in the same order on both: the logits and dP over the
+  // head's columns, dq over each tile's keys, dk and dv over the block's rows in order; the
+  // same exp. GQA: the query heads of a kv head share its packed tiles and add into its dk, dv.
+  // On one thread: with more, dk and dv are sums of per-thread shares whose split varies.
+  if (IsaChoice::detected() < Isa::Avx512) {
+    WARN("this CPU has no AVX-512: nothing to compare");
+    return;
+  }
+  const sdpa::Heads heads{4, 2};
+  const Index n = 150, d = 40;
+  const Mat<float> q = randn<float>(n, 4 * d, 11), k = randn<float>(n, 2 * d, 12), v = randn<float>(n, 2 * d, 13),
+                   dO = randn<float>(n, 4 * d, 14);
+  const auto causal = mask::Causal{Align::LowerRight};
+  const auto run = [&] {
+    const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, heads, sdpa::scale::InvSqrtDk{}, causal);
+    return sdpa::multiHeadAttentionBackward(kernel::Tiled{}, q, k, v, fwd, dO, heads, sdpa::scale::InvSqrtDk{}, causal);
+  };
+  const int threads = Eigen::nbThreads();
+  Eigen::setNbThreads(1);
+  IsaChoice::setCap(Isa::Avx2);
+  const auto a = run();
+  IsaChoice::setCap(Isa::Amx);
+  const auto b = run();
+  Eigen::setNbThreads(threads);
+  CHECK(a.dq == b.dq);
+  CHECK(a.dk == b.dk);
+  CHECK(a.dv == b.dv);
+  CHECK(a.dscale == b.dscale);
+  // A query head's dq does not depend on the heads that share its kv head: the single-head
+  // call's, to the bit (on any number of threads: its rows are one unit's).
+  for (Index h = 0; h < 4; ++h) {
+    const Mat<float> qh = q.middleCols(h * d, d), kh = k.middleCols(h / 2 * d, d), vh = v.middleCols(h / 2 * d, d),
+                     dOh = dO.middleCols(h * d, d);
+    const auto f = sdpa::attentionForward(qh, kh, vh, sdpa::scale::InvSqrtDk{}, causal);
+    const auto g = sdpa::attentionBackward(sdpa::kernel::Tiled{}, qh, kh, vh, f, dOh, sdpa::scale::InvSqrtDk{}, causal);
+    CHECK(g.dq == b.dq.middleCols(h * d, d));
+  }
+}

@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "../dropout.hpp"
 #include "../kernel.hpp"
 #include "../layout.hpp"
 #include "../mask.hpp"
+#include "backward_fast.hpp"
 #include "forward_naive.hpp"
 #include "forward_tiled.hpp"
 #include "macros.hpp"
@@ -471,6 +473,12 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     // thread of the OpenMP runtime may serve another caller's team once this region ends, so
     // its thread_local scratch must not be read after it.
     std::vector<Matrix<Scalar>> dkT, dvT, dbiasT;
+    // The fast path's dk and dv of thread t (every t): row-major, rows padded (fast::BackwardOut).
+    std::vector<Buffer<Scalar>> dkF, dvF;
+    std::vector<char> base2;                     // per pair: the fast path takes base-2 logits
+    std::vector<Index> packedAt;                 // per pair: its kv head's packing in `packed`
+    std::vector<std::pair<Index, Index>> packs;  // (pair, key tile) of every tile to pack
+    Buffer<Scalar> packed;
     Buffer<Scalar> qs, rowStats;
     Buffer<double> dscaleT;
   };
@@ -479,19 +487,87 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   pairs.clear();
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
-  // Once per call: qs = tau_h q (the scale folded into q where |tau_h| <= 1, as in the forward);
-  // whether every input is finite. (The forward's output O is not read: D is summed from this
-  // pass's P.)
-  Eigen::Map<Matrix<Scalar>> qs(plan.qs.get(q.rows() * q.cols()), q.rows(), q.cols());
-  for (Index h = 0; h < H; ++h) {
-    const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
-    qs.middleCols(h * dims.dK, dims.dK) =
-        (foldsScaleIntoQuery(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
-  }
-  // qs rather than q: 0 q is NaN where q is inf.
-  const bool finite =
-      allFiniteVectorised(qs) && allFiniteVectorised(k) && allFiniteVectorised(v) && allFiniteVectorised(dO);
   const Scalar cap = Scalar(mask::internal::softcapOf(mask));
+
+  // The fast path (fast::backwardBlock): float inputs, a CPU with its kernels, rows of the
+  // call's own, a mask that only hides, no dropout, no bias gradient, and for every pair a scale
+  // tau != 0 with finite q, k, v, dO whose logits and dP = dO v^T cannot overflow (logitBounds).
+  // Else the general tiles below, which handle every special value.
+  bool useFast = false;
+  auto& base2 = plan.base2;
+  if constexpr (std::is_same_v<Scalar, float> && mask::internal::OnlyHides<Mask>::value) {
+    useFast = fast::available() && from.mode == BackwardRows::Own && !dropout.enabled() && !dbias;
+    base2.assign(pairs.size(), 0);
+    for (size_t p = 0; useFast && p < pairs.size(); ++p) {
+      const ItemHead& u = pairs[p];
+      const float tau = headScale(scale, u.head).template value<float>(dims.dK);
+      const auto qk = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+                                        k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK), tau);
+      const auto dp = fast::logitBounds(dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+                                        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), 1.0f);
+      useFast = tau != 0.0f && qk.bounded && dp.bounded;
+      base2[p] = qk.base2;
+    }
+  }
+
+  // Once per call (the general tiles): qs = tau_h q (the scale folded into q where |tau_h| <= 1,
+  // as in the forward); whether every input is finite. (The forward's output O is not read: D is
+  // summed from this pass's P.)
+  Eigen::Map<Matrix<Scalar>> qs(plan.qs.get(useFast ? 0 : q.rows() * q.cols()), useFast ? 0 : q.rows(),
+                                useFast ? 0 : q.cols());
+  bool finite = true;
+  if (!useFast) {
+    for (Index h = 0; h < H; ++h) {
+      const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
+      qs.middleCols(h * dims.dK, dims.dK) =
+          (foldsScaleIntoQuery(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
+    }
+    // qs rather than q: 0 q is NaN where q is inf.
+    finite = allFiniteVectorised(qs) && allFiniteVectorised(k) && allFiniteVectorised(v) && allFiniteVectorised(dO);
+  }
+  const Index pad = useFast ? fast::backwardPadding() : 1;
+  const Index dKp = (dims.dK + pad - 1) / pad * pad, dVp = (dims.dV + pad - 1) / pad * pad;
+  // (Rows an odd number of cache lines apart, as the blocks' rows: fast::oddLineStride.)
+  const Index ldkF = fast::oddLineStride(heads.keyValue * dKp), ldvF = fast::oddLineStride(heads.keyValue * dVp);
+  const Index fastK = kern.blockK > 0 ? kern.blockK : 128;
+  // Query blocks of 128 rows (64 at d = 128: n 4096, one thread, 172 against 196 ms; d 64 and
+  // 256 as fast or faster with 128), fewer where the longest key range would not let a block
+  // keep its tiles for the second pass (n_k beyond 65536 keys), down to one lane group.
+  const Index widest = std::max(dims.dK, dims.dV);
+  Index fastQ = kern.blockQ > 0 ? kern.blockQ : widest > 96 && widest <= 192 ? 64 : 128;
+  if (useFast && kern.blockQ <= 0) {
+    Index nK = 0;
+    for (const ItemHead& u : pairs) nK = std::max(nK, u.nK);
+    while (fastQ > 2 * fast::backwardPadding() && !fast::backwardCaches(fastQ, nK)) fastQ /= 2;
+  }
+  // The fast path's k and v packed once per call, each (item, kv head) by the first pair that
+  // reads it, tile by tile in parallel (fast::packBackwardTile); the pairs of a GQA group share it.
+  Scalar* packed = nullptr;
+  auto& packedAt = plan.packedAt;  // (a reference: the threads below must not reach their own plan)
+  if (useFast) {
+    auto& at = packedAt;
+    auto& packs = plan.packs;
+    at.assign(pairs.size(), -1);
+    packs.clear();
+    Index floats = 0;
+    for (size_t p = 0; p < pairs.size(); ++p) {
+      const ItemHead& u = pairs[p];
+      for (size_t o = p; o-- > 0 && pairs[o].item == u.item;)
+        if (pairs[o].kvHead == u.kvHead) at[p] = at[o];
+      if (at[p] >= 0) continue;
+      at[p] = floats;
+      floats += fast::packedHeadFloats(u.nK, dims.dK, dims.dV);
+      for (Index j0 = 0; j0 < u.nK; j0 += fastK) packs.emplace_back(Index(p), j0);
+    }
+    packed = plan.packed.get(floats);
+    if constexpr (std::is_same_v<Scalar, float>)
+      parallelFor(Index(packs.size()), int(std::min<Index>(maxThreads(), Index(packs.size()))), [&](Index w) {
+        const ItemHead& u = pairs[size_t(packs[size_t(w)].first)];
+        fast::packBackwardTile(k.data() + u.k0 + u.kvHead * dims.dK * k.outerStride(), k.outerStride(),
+                               v.data() + u.k0 + u.kvHead * dims.dV * v.outerStride(), v.outerStride(), u.nK, dims.dK,
+                               dims.dV, packs[size_t(w)].second, fastK, packed + at[size_t(packs[size_t(w)].first)]);
+      });
+  }
 
   // The head of pair u as a tile sees it, handed to f (the item's mask lives in this frame).
   const auto withHead = [&](const ItemHead& u, const auto& f) {
@@ -529,17 +605,20 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   auto& units = plan.units;
   units.clear();
   for (Index p = 0; p < Index(pairs.size()); ++p)
-    for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += tile.q)
-      units.push_back({p, i0, std::min(tile.q, pairs[size_t(p)].nQ - i0)});
+    for (Index i0 = 0, bq = useFast ? fastQ : tile.q; i0 < pairs[size_t(p)].nQ; i0 += bq)
+      units.push_back({p, i0, std::min(bq, pairs[size_t(p)].nQ - i0)});
   const int threads = int(std::min<Index>(maxThreads(), Index(units.size())));
   auto& started = plan.started;
   started.assign(size_t(std::max(1, threads)), 0);
   // References: the threads below must reach this thread's plan, not their own thread_local one.
   auto &dkT = plan.dkT, &dvT = plan.dvT, &dbiasT = plan.dbiasT;
+  auto &dkF = plan.dkF, &dvF = plan.dvF;
   if (dkT.size() < started.size()) {
     dkT.resize(started.size());
     dvT.resize(started.size());
     dbiasT.resize(started.size());
+    dkF.resize(started.size());
+    dvF.resize(started.size());
   }
   // dL/dtau_h of each thread: column t.
   Eigen::Map<Matrix<double>> dscaleT(plan.dscaleT.get(H * std::max(1, threads)), H, std::max(1, threads));
@@ -556,6 +635,39 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
         Impl::firstPass(hd, dropout, un.i0, un.rows, tile.k, rowsOf(u), none, sc);
       });
       return;
+    }
+    if constexpr (std::is_same_v<Scalar, float>) {
+      if (useFast) {
+        if (!started[size_t(t)]) {
+          started[size_t(t)] = 1;
+          std::fill_n(dkF[size_t(t)].get(k.rows() * ldkF), k.rows() * ldkF, 0.0f);
+          std::fill_n(dvF[size_t(t)].get(v.rows() * ldvF), v.rows() * ldvF, 0.0f);
+        }
+        const auto m = itemMask(mask, u);
+        const Index dK = dims.dK, dV = dims.dV;
+        const fast::BackwardHead<std::decay_t<decltype(m)>> hd{q.data() + u.q0 + u.head * dK * q.outerStride(),
+                                                               k.data() + u.k0 + u.kvHead * dK * k.outerStride(),
+                                                               v.data() + u.k0 + u.kvHead * dV * v.outerStride(),
+                                                               dO.data() + u.q0 + u.head * dV * dO.outerStride(),
+                                                               q.outerStride(),
+                                                               k.outerStride(),
+                                                               v.outerStride(),
+                                                               dO.outerStride(),
+                                                               u.nQ,
+                                                               u.nK,
+                                                               dK,
+                                                               dV,
+                                                               m,
+                                                               u.head,
+                                                               headScale(scale, u.head).template value<float>(dK),
+                                                               packed + packedAt[size_t(un.pair)],
+                                                               fastK};
+        const fast::BackwardOut out{dq.data() + u.q0 + un.i0 + u.head * dK * dq.outerStride(), dq.outerStride(),
+                                    dkF[size_t(t)].get(0) + u.k0 * ldkF + u.kvHead * dKp,      ldkF,
+                                    dvF[size_t(t)].get(0) + u.k0 * ldvF + u.kvHead * dVp,      ldvF};
+        dscaleT(u.head, t) += fast::backwardBlock(hd, un.i0, un.rows, base2[size_t(un.pair)] != 0, out);
+        return;
+      }
     }
     if (!started[size_t(t)]) {  // this thread's first unit: its gradient buffers, zeroed
       started[size_t(t)] = 1;
@@ -599,6 +711,19 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     });
   });
   if (from.mode == BackwardRows::Collect) return;
+  if (useFast) {
+    for (size_t t = 0; t < started.size(); ++t) {
+      if (!started[t]) continue;
+      const Eigen::Map<const RowMajorMatrix<Scalar>> dkAll(dkF[t].get(0), k.rows(), ldkF);
+      const Eigen::Map<const RowMajorMatrix<Scalar>> dvAll(dvF[t].get(0), v.rows(), ldvF);
+      for (Index h = 0; h < heads.keyValue; ++h) {
+        dk.middleCols(h * dims.dK, dims.dK) += dkAll.middleCols(h * dKp, dims.dK);
+        dv.middleCols(h * dims.dV, dims.dV) += dvAll.middleCols(h * dVp, dims.dV);
+      }
+    }
+    dscale += dscaleT.rowwise().sum().template cast<Scalar>();
+    return;
+  }
   for (size_t t = 1; t < started.size(); ++t) {
     if (!started[t]) continue;
     dk += dkT[t];

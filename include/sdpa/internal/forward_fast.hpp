@@ -397,6 +397,31 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
   return {kP, vP, finite, kLd, vLd, amx};
 }
 
+/**
+ * The keys of a partial tile (rows [i0, i0 + bq) x keys [j0, j0 + cols)) that each group of
+ * `group` rows sees: every key outside [begin[g], end[g]) (offsets in the tile) is hidden from
+ * all rows of group g, found in chunks of 16 keys; begin = end where it sees none. A causal
+ * diagonal tile of 256 x 256 keeps 56% of its entries with groups of 32 rows.
+ */
+template <typename Mask>
+void groupKeyRanges(const Mask& mask, Index i0, Index bq, Index j0, Index cols, Index nQ, Index nK, Index head,
+                    Index group, Index groups, Index* begin, Index* end) {
+  constexpr Index chunk = 16;
+  for (Index g = 0; g < groups; ++g) {
+    const Index r0 = i0 + g * group, rows = std::min(group, bq - g * group);
+    Index b = cols, e = 0;
+    if (rows > 0)
+      for (Index c = 0; c < cols; c += chunk) {
+        const Index w = std::min(chunk, cols - c);
+        if (mask.classify(r0, rows, j0 + c, w, nQ, nK, head) == mask::Tile::Hidden) continue;
+        b = std::min(b, c);
+        e = c + w;
+      }
+    begin[g] = b;
+    end[g] = std::max(b, e);
+  }
+}
+
 /// Per-thread buffers: q^T, S^T and acc^T of one query block; m, l, a tile's maxima, bad rows;
 /// the key range of each lane group in a partial tile.
 struct Scratch {
@@ -528,31 +553,16 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   float* kTile = Bf16 ? nullptr : sc.kTile.get(bk * dK);
   float* vTile = Bf16 ? nullptr : sc.vTile.get(bk * dV);
   // A partial tile's corners: per lane group, the keys outside [begin, end) hidden from all its
-  // rows (found in chunks of 16 keys) are neither multiplied nor exponentiated. A causal
-  // diagonal tile of 256 x 256 keeps 56% of its entries with groups of 32 rows.
+  // rows are neither multiplied nor exponentiated (groupKeyRanges).
   const Index group = step, groups = lanes / step;
   Index* keyBegin = sc.keyBegin.get(groups);
   Index* keyEnd = sc.keyEnd.get(groups);
-  constexpr Index chunk = 16;
   for (Index j0 = 0; j0 < nK; j0 += bk) {
     const Index cols = std::min(bk, nK - j0);
     const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
     if (t == mask::Tile::Hidden) continue;
     const bool ranged = t == mask::Tile::Partial;
-    if (ranged)
-      for (Index g = 0; g < groups; ++g) {
-        const Index r0 = i0 + g * group, rows = std::min(group, bq - g * group);
-        Index b = cols, e = 0;
-        if (rows > 0)
-          for (Index c = 0; c < cols; c += chunk) {
-            const Index w = std::min(chunk, cols - c);
-            if (mask.classify(r0, rows, j0 + c, w, nQ, nK, head) == mask::Tile::Hidden) continue;
-            b = std::min(b, c);
-            e = c + w;
-          }
-        keyBegin[g] = b;
-        keyEnd[g] = std::max(b, e);
-      }
+    if (ranged) groupKeyRanges(mask, i0, bq, j0, cols, nQ, nK, head, group, groups, keyBegin, keyEnd);
     const Index* rb = ranged ? keyBegin : nullptr;
     const Index* re = ranged ? keyEnd : nullptr;
     // The products' epilogue finds the maxima where the logits are final there: no mask to

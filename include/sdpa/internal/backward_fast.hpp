@@ -1,0 +1,154 @@
+#ifndef SDPA_INTERNAL_BACKWARD_FAST_HPP
+#define SDPA_INTERNAL_BACKWARD_FAST_HPP
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "../mask.hpp"
+#include "cpu.hpp"
+#include "forward_fast.hpp"
+#include "macros.hpp"
+#include "parallel.hpp"
+
+namespace sdpa::internal {
+namespace fast {
+
+/**
+ * One head of an fp32 backward for the fast path (backwardBlock): column-major q (n_q x d_k),
+ * k (n_k x d_k), v (n_k x d_v), dO (n_q x d_v) with their column strides; the item's mask (one
+ * that only hides), the query head and its scale tau != 0.
+ */
+template <typename Mask>
+struct BackwardHead {
+  const float* q;
+  const float* k;
+  const float* v;
+  const float* dO;
+  Index ldq, ldk, ldv, ldO;
+  Index nQ, nK, dK, dV;
+  const Mask& mask;
+  Index head;
+  float tau;
+  /// k and v in tiles of bk keys as the products read them, tile j0 at packed + j0 (2 d_k + d_v)
+  /// (packBackwardHead): k's keys, v's keys, k's columns.
+  const float* packed;
+  Index bk;
+};
+
+/**
+ * Where a query block's gradients go, each added to: dq's rows of the block (column-major, from
+ * its first row), and the head's dk and dv rows in row-major accumulators whose rows are padded
+ * to whole vectors (key j at dk + j ldk, d_k rounded up to the vector width, the padding
+ * columns receiving 0).
+ */
+struct BackwardOut {
+  float* dq;
+  Index ldq;
+  float* dk;
+  Index ldk;
+  float* dv;
+  Index ldv;
+};
+
+/// Per-thread buffers of backwardBlock (grown, never shrunk).
+struct BackwardScratch {
+  Buffer<float> qT, dOT, qR, dOR, dqT;   // the block's q and dO transposed by group, and by rows
+  Buffer<float> s, dp;                   // the block's S^T and dP^T tiles (all keys, or one tile)
+  Buffer<float> max, sum, d, dtau, top;  // per lane
+  Buffer<Index> keyBegin, keyEnd, at;    // per group
+  static BackwardScratch& thread() {
+    thread_local BackwardScratch scratch;
+    return scratch;
+  }
+};
+
+/// Bytes of S^T and dP^T a query block keeps for its second pass (beyond, it recomputes them:
+/// two more products a tile).
+inline constexpr Index kBackwardFastCacheBytes = Index(64) << 20;
+/// Whether a block of `lanes` query rows keeps its tiles against n_k keys.
+inline bool backwardCaches(Index lanes, Index nK) {
+  return Index(sizeof(float)) * 2 * lanes * nK <= kBackwardFastCacheBytes;
+}
+
+#if SDPA_HAS_ISA_DISPATCH
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// clang-format off
+#define SDPA_FAST_NS avx512
+#define SDPA_FAST_TARGET __attribute__((target("avx512f,avx512dq,avx2,fma")))
+#define SDPA_FAST_WIDTH 16
+#include "backward_fast_isa.inc"
+#undef SDPA_FAST_NS
+#undef SDPA_FAST_TARGET
+#undef SDPA_FAST_WIDTH
+#define SDPA_FAST_NS avx2
+#define SDPA_FAST_TARGET __attribute__((target("avx2,fma")))
+#define SDPA_FAST_WIDTH 8
+#include "backward_fast_isa.inc"
+#undef SDPA_FAST_NS
+#undef SDPA_FAST_TARGET
+#undef SDPA_FAST_WIDTH
+// clang-format on
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/**
+ * The gradients of query rows [i0, i0 + bq) of one head against all its keys, added to `out`;
+ * returns the block's dL/dtau. The fast path of backward_tiled_impl for float inputs that are
+ * all finite, whose logits tau q.k and dP = dO v^T cannot overflow (logitBounds), with a mask
+ * that only hides, no dropout, no softcap, no bias gradient: the same two passes (row sums of
+ * this pass's own softmax and D = sum_j P_ij dP_ij, then the gradients) with the forward's
+ * register-blocked products on transposed tiles. `base2`: the logits in units of ln 2, as the
+ * forward takes them where logitBounds allows. Tiles of bk keys; the block's S^T and dP^T are
+ * kept for the second pass if they fit kBackwardFastCacheBytes.
+ */
+template <typename Mask>
+double backwardBlock(const BackwardHead<Mask>& h, Index i0, Index bq, bool base2, const BackwardOut& out) {
+#if SDPA_HAS_ISA_DISPATCH
+  BackwardScratch& sc = BackwardScratch::thread();
+  if (IsaChoice::current() >= Isa::Avx512)
+    return base2 ? avx512::backwardBlock<true>(h, i0, bq, out, sc) : avx512::backwardBlock<false>(h, i0, bq, out, sc);
+  return base2 ? avx2::backwardBlock<true>(h, i0, bq, out, sc) : avx2::backwardBlock<false>(h, i0, bq, out, sc);
+#else
+  (void)h, (void)i0, (void)bq, (void)base2, (void)out;
+  return 0.0;
+#endif
+}
+
+/// Floats BackwardHead::packed takes for n_k keys.
+inline Index packedHeadFloats(Index nK, Index dK, Index dV) { return nK * (2 * dK + dV); }
+
+/// The tile [j0, j0 + bk) of a kv head's packing (BackwardHead::packed), k and v column-major.
+inline void packBackwardTile(const float* k, Index ldk, const float* v, Index ldv, Index nK, Index dK, Index dV,
+                             Index j0, Index bk, float* packed) {
+#if SDPA_HAS_ISA_DISPATCH
+  const Index cols = std::min(bk, nK - j0);
+  float* out = packed + j0 * (2 * dK + dV);
+  if (IsaChoice::current() >= Isa::Avx512)
+    avx512::packBackwardTile(k + j0, ldk, v + j0, ldv, cols, dK, dV, out);
+  else
+    avx2::packBackwardTile(k + j0, ldk, v + j0, ldv, cols, dK, dV, out);
+#else
+  (void)k, (void)ldk, (void)v, (void)ldv, (void)nK, (void)dK, (void)dV, (void)j0, (void)bk, (void)packed;
+#endif
+}
+
+/// The vector width backwardBlock's dk and dv rows are padded to (BackwardOut).
+inline Index backwardPadding() {
+#if SDPA_HAS_ISA_DISPATCH
+  return IsaChoice::current() >= Isa::Avx512 ? 16 : 8;
+#else
+  return 1;
+#endif
+}
+
+}  // namespace fast
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_BACKWARD_FAST_HPP
