@@ -72,6 +72,8 @@ inline bool backwardCaches(Index lanes, Index nK) {
 }
 
 #if SDPA_HAS_ISA_DISPATCH
+// GCC 12 warns of uninitialised values inside its own AVX-512 intrinsics (as forward_fast.hpp).
+// The same macros as forward_fast.hpp's instances, whose helpers and micro-kernels these use.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
