@@ -111,18 +111,62 @@ TEMPLATE_TEST_CASE("KvCache contiguous: cachedAttention equals multiHeadAttentio
 }
 
 TEST_CASE("KvCache: a query head of a GQA group gets the bits of its head alone", "[kvcache]") {
+  // The group's rows (group size x n_q) run in the multi-row blocks: 8 (2 x 4), 12 (8 + 4 rows
+  // of logits, two blocks of 6 of values), 16 and 64 rows.
   std::mt19937_64 gen(11);
   const Index dK = 64, dV = 64, n = 5000;
-  const Mat<float> k = kvRows(n, 2 * dK, gen), v = kvRows(n, 2 * dV, gen), q = kvRows(2, 8 * dK, gen);
-  auto group = KvCache<float>::contiguous({2, dK, dV}, n);
-  group.append(k, v);
-  const auto all = sdpa::cachedAttention(q, group, Heads{8, 2});
-  for (Index h = 0; h < 8; ++h) {
-    const Index kv = h / 4;
-    auto alone = KvCache<float>::contiguous({1, dK, dV}, n);
-    alone.append(k.middleCols(kv * dK, dK), v.middleCols(kv * dV, dV));
-    const auto one = sdpa::cachedAttention(q.middleCols(h * dK, dK), alone, Heads{1});
-    CHECK((one.array() == all.middleCols(h * dV, dV).array()).all());
+  for (const auto& [heads, nQ] :
+       {std::pair<Heads, Index>{Heads{8, 2}, 2}, {Heads{8, 2}, 3}, {Heads{16, 2}, 2}, {Heads{8, 1}, 8}}) {
+    const Index H = heads.query, Hkv = heads.keyValue, G = heads.groupSize();
+    INFO("Heads{" << H << ", " << Hkv << "}, n_q " << nQ);
+    const Mat<float> k = kvRows(n, Hkv * dK, gen), v = kvRows(n, Hkv * dV, gen), q = kvRows(nQ, H * dK, gen);
+    auto group = KvCache<float>::contiguous({Hkv, dK, dV}, n);
+    group.append(k, v);
+    const auto all = sdpa::cachedAttention(q, group, heads);
+    for (Index h = 0; h < H; ++h) {
+      const Index kv = h / G;
+      auto alone = KvCache<float>::contiguous({1, dK, dV}, n);
+      alone.append(k.middleCols(kv * dK, dK), v.middleCols(kv * dV, dV));
+      const auto one = sdpa::cachedAttention(q.middleCols(h * dK, dK), alone, Heads{1});
+      CHECK((one.array() == all.middleCols(h * dV, dV).array()).all());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits of its row alone", "[kvcache]", float,
+                   double, Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
+  // Speculative decoding verifies its drafted tokens in one call: each row's products are its
+  // own (matrix-vector kernels in register blocks of several rows, the next chunk prefetched
+  // from 8 rows on), so every row equals the call on that row alone, bit for bit, whatever the
+  // row count (1 to 16 per head) and the group (rows of a GQA group's heads share the blocks).
+  // Several chunks of keys (2900 keys: 3 to 12 chunks by storage and d), contiguous and paged.
+  std::mt19937_64 gen(31);
+  const Index n = 2900;
+  for (const auto& [heads, d] : {std::pair<Heads, Index>{Heads{1}, 128}, {Heads{8, 2}, 64}, {Heads{3, 1}, 40}}) {
+    const Index H = heads.query, Hkv = heads.keyValue;
+    const Mat<float> k = kvRows(n, Hkv * d, gen), v = kvRows(n, Hkv * d, gen), q = kvRows(16, H * d, gen, 2.0f);
+    auto contiguous = KvCache<TestType>::contiguous({Hkv, d, d}, n);
+    contiguous.append(k, v);
+    auto paged = KvCache<TestType>::paged({Hkv, d, d}, 32, n / 32 + 1);
+    const Index seq = paged.addSequence();
+    paged.append(seq, k, v);
+    for (const Index nQ : {2, 3, 5, 16}) {
+      INFO("Heads{" << H << ", " << Hkv << "}, d " << d << ", n_q " << nQ);
+      const Mat<float> qs = q.topRows(nQ);
+      const auto all =
+          sdpa::cachedAttentionForward(qs, contiguous, heads, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{});
+      const auto allPaged =
+          sdpa::cachedAttentionForward(qs, paged.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{});
+      for (Index i = 0; i < nQ; ++i) {
+        const auto one =
+            sdpa::cachedAttentionForward(qs.row(i), contiguous, heads, sdpa::scale::InvSqrtDk{}, sdpa::mask::None{});
+        const auto onePaged = sdpa::cachedAttentionForward(qs.row(i), paged.sequence(seq), heads,
+                                                           sdpa::scale::InvSqrtDk{}, sdpa::mask::None{});
+        CHECK((all.output.row(i).array() == one.output.array()).all());
+        CHECK((all.logSumExp.row(i).array() == one.logSumExp.array()).all());
+        CHECK((allPaged.output.row(i).array() == onePaged.output.array()).all());
+      }
+    }
   }
 }
 

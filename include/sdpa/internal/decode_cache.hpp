@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -41,6 +42,58 @@ struct SequenceView {
   Index length = 0, first = 0;
 };
 
+/// Register blocks of the multi-row kernels (multi-token or speculative decoding, a GQA group's
+/// rows; 8 rows or more): logits of kWideLogitRows rows x kWideLogitPackets key packets, values
+/// of kWideValueRows rows x kWideValueCols columns, 24 accumulators where the ISA has 32 vector
+/// registers (AVX-512), 8 where it has 16.
+inline constexpr bool kManyRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
+inline constexpr int kWideLogitRows = kManyRegisters ? 8 : 4, kWideLogitPackets = kManyRegisters ? 3 : 2;
+inline constexpr int kWideValueRows = kManyRegisters ? 6 : 4;
+inline constexpr Index kWideValueCols = kManyRegisters ? 4 : 2;
+
+/**
+ * The next chunk's keys and values brought into L2 while a multi-row block computes the current
+ * one: a list of byte runs, one line fetched each time `step` has been called often enough that
+ * the whole list is spread evenly over `steps` calls. With 8 or more query rows the products of
+ * a chunk take longer than its memory stream; without this the stream and the products follow
+ * each other (the hardware prefetcher does not run past a chunk's short column runs).
+ */
+struct ChunkPrefetch {
+  struct Run {
+    const char* p;
+    Index bytes, lines;
+  };
+  std::vector<Run> runs;
+  size_t run = 0;
+  Index line = 0, credit = 0, lines = 0, steps = 1;
+
+  void clear() {
+    runs.clear();
+    run = 0;
+    line = credit = lines = 0;
+  }
+  void add(const void* p, Index bytes) {
+    if (bytes <= 0) return;
+    const auto at = Index(reinterpret_cast<std::uintptr_t>(p) % 64);
+    const Index n = (at + bytes + 63) / 64;  // the cache lines the run touches
+    runs.push_back({static_cast<const char*>(p), bytes, n});
+    lines += n;
+  }
+  /// Spreads the runs' lines over `calls` calls of step.
+  void spreadOver(Index calls) { steps = std::max<Index>(1, calls); }
+  void step() {
+    for (credit += lines; credit >= steps && run < runs.size(); credit -= steps) {
+      // Line `line` of the run holds byte 64 line of it, or (the last line) its last byte.
+      const Run& r = runs[run];
+      __builtin_prefetch(r.p + std::min(line * 64, r.bytes - 1), 0, 2);
+      if (++line == r.lines) {
+        ++run;
+        line = 0;
+      }
+    }
+  }
+};
+
 /// Float rows of weights against float value spans (each span: count keys, column stride ld,
 /// at offset `offset` of the weights): dots[r][c] = sum over the spans' keys in order, packets
 /// of partial sums kept across spans (a paged sequence's blocks of 16 keys cost no reduction
@@ -52,11 +105,17 @@ struct SpanOf {
 };
 using FloatSpan = SpanOf<float>;
 
-template <int Rows>
-void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpans, Index dV, float* const* dots) {
+/// Weight rows p (offset by each span's `offset`) against float value spans: dots[r][c] = sum
+/// over the spans' keys in order, kCols columns and Rows rows per pass, the partial sums of a
+/// (row, column) kept per vector lane across spans and reduced at the end (decodeValuesRows's
+/// arithmetic whatever Rows and kCols: a row's dots are the same bits in any block). Wide
+/// blocks (multi-row decoding) step the next chunk's prefetch once per key packet.
+template <int Rows, Index kCols, bool Wide = false>
+void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpans, Index dV, float* const* dots,
+                      ChunkPrefetch* pf = nullptr) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size, kCols = 4;
+  constexpr Index W = ei::packet_traits<float>::size;
   for (Index c0 = 0; c0 < dV; c0 += kCols) {
     const Index cols = std::min(kCols, dV - c0);
     Packet acc[Rows][kCols];
@@ -66,49 +125,60 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
     for (Index t = 0; t < nSpans; ++t) {
       const FloatSpan& sp = spans[t];
       const Index whole = sp.count / W * W;
+      // Row and column pointers in locals: through p and sp the compiler reloads them (and
+      // multiplies by the stride) at every key packet.
+      const float* pr[Rows];
+      const float* vc[kCols];
+      for (int m = 0; m < Rows; ++m) pr[m] = p[m] + sp.offset;
+      for (Index c = 0; c < kCols; ++c) vc[c] = sp.v + (c0 + std::min(c, cols - 1)) * sp.ld;
       if (cols == kCols) {
         for (Index j = 0; j < whole; j += W) {
+          if constexpr (Wide) pf->step();
           Packet pm[Rows];
-          for (int m = 0; m < Rows; ++m) pm[m] = ei::ploadu<Packet>(p[m] + sp.offset + j);
+          for (int m = 0; m < Rows; ++m) pm[m] = ei::ploadu<Packet>(pr[m] + j);
           for (Index c = 0; c < kCols; ++c) {
-            const Packet vc = ei::ploadu<Packet>(sp.v + j + (c0 + c) * sp.ld);
-            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], vc, acc[m][c]);
+            const Packet x = ei::ploadu<Packet>(vc[c] + j);
+            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
           }
         }
       } else {
         for (Index j = 0; j < whole; j += W)
           for (Index c = 0; c < cols; ++c) {
-            const Packet vc = ei::ploadu<Packet>(sp.v + j + (c0 + c) * sp.ld);
-            for (int m = 0; m < Rows; ++m)
-              acc[m][c] = ei::pmadd(ei::ploadu<Packet>(p[m] + sp.offset + j), vc, acc[m][c]);
+            const Packet x = ei::ploadu<Packet>(vc[c] + j);
+            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(ei::ploadu<Packet>(pr[m] + j), x, acc[m][c]);
           }
       }
       for (Index j = whole; j < sp.count; ++j)
         for (int m = 0; m < Rows; ++m)
-          for (Index c = 0; c < cols; ++c)
-            tail[m][c] = std::fma(p[m][sp.offset + j], sp.v[j + (c0 + c) * sp.ld], tail[m][c]);
+          for (Index c = 0; c < cols; ++c) tail[m][c] = std::fma(pr[m][j], vc[c][j], tail[m][c]);
     }
     for (int m = 0; m < Rows; ++m)
       for (Index c = 0; c < cols; ++c) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
   }
 }
 
-/// The rows four at a time, each block's row count fixed at compile time (as logitsRows).
+/// The rows in wide blocks (kWideValueRows rows, kWideValueCols columns per pass) while at least
+/// 8 are left, then at most 4 at a time, each block's row count fixed at compile time (as
+/// logitsRows).
 inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, Index nSpans, Index dV,
-                        float* const* dots) {
-  for (Index r0 = 0; r0 < R; r0 += 4) {
+                        float* const* dots, ChunkPrefetch& pf) {
+  Index r0 = 0;
+  if (R >= 8)
+    for (; R - r0 >= kWideValueRows; r0 += kWideValueRows)
+      valuesSpansFixed<kWideValueRows, kWideValueCols, true>(p + r0, spans, nSpans, dV, dots + r0, &pf);
+  for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
       case 1:
-        valuesSpansFixed<1>(p + r0, spans, nSpans, dV, dots + r0);
+        valuesSpansFixed<1, 4>(p + r0, spans, nSpans, dV, dots + r0);
         break;
       case 2:
-        valuesSpansFixed<2>(p + r0, spans, nSpans, dV, dots + r0);
+        valuesSpansFixed<2, 4>(p + r0, spans, nSpans, dV, dots + r0);
         break;
       case 3:
-        valuesSpansFixed<3>(p + r0, spans, nSpans, dV, dots + r0);
+        valuesSpansFixed<3, 4>(p + r0, spans, nSpans, dV, dots + r0);
         break;
       default:
-        valuesSpansFixed<4>(p + r0, spans, nSpans, dV, dots + r0);
+        valuesSpansFixed<4, 4>(p + r0, spans, nSpans, dV, dots + r0);
         break;
     }
   }
@@ -152,10 +222,76 @@ void logitsRowsFixed(const float* const* a, const T* k, Index ldk, Index d, Inde
   }
 }
 
-/// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic).
+/**
+ * logitsRowsFixed for the Rows of a wide block (multi-row decoding, a GQA group's rows): Rows x J
+ * key packets of partial sums in registers over all d columns, so that each load of k serves
+ * Rows multiply-adds and each broadcast query value J (logitsRowsFixed: one packet of keys, a
+ * broadcast per multiply-add). The same arithmetic per (row, key): columns in order, one FMA
+ * each. Steps the next chunk's prefetch once per column of each block of J packets.
+ */
+template <int Rows, int J, typename T>
+void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s,
+                    ChunkPrefetch& pf) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  // Columns in blocks of 8, the partial sums stored between blocks (exactly: the same bits): a
+  // column of a long cache lies in a page of its own, and all d columns at once miss the TLB.
+  constexpr Index kCols = 8;
+  const float* q[Rows];
+  float* out[Rows];
+  for (int m = 0; m < Rows; ++m) {
+    q[m] = a[m];
+    out[m] = s[m];
+  }
+  for (Index c0 = 0; c0 < d; c0 += kCols) {
+    const Index c1 = std::min(d, c0 + kCols);
+    Index j = 0;
+    for (; j + J * W <= n; j += J * W) {
+      Packet acc[Rows][J];
+      for (int m = 0; m < Rows; ++m)
+        for (int b = 0; b < J; ++b) acc[m][b] = ei::ploadu<Packet>(out[m] + j + b * W);
+      const T* kj = k + j + c0 * ldk;
+      for (Index c = c0; c < c1; ++c, kj += ldk) {
+        pf.step();
+        Packet x[J];
+        for (int b = 0; b < J; ++b) x[b] = loadFloats(kj + b * W);
+        for (int m = 0; m < Rows; ++m) {
+          const Packet qm = ei::pset1<Packet>(q[m][c]);
+          for (int b = 0; b < J; ++b) acc[m][b] = ei::pmadd(qm, x[b], acc[m][b]);
+        }
+      }
+      for (int m = 0; m < Rows; ++m)
+        for (int b = 0; b < J; ++b) ei::pstoreu(out[m] + j + b * W, acc[m][b]);
+    }
+    for (; j + W <= n; j += W) {
+      Packet acc[Rows];
+      for (int m = 0; m < Rows; ++m) acc[m] = ei::ploadu<Packet>(out[m] + j);
+      for (Index c = c0; c < c1; ++c) {
+        const Packet x = loadFloats(k + j + c * ldk);
+        for (int m = 0; m < Rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(q[m][c]), x, acc[m]);
+      }
+      for (int m = 0; m < Rows; ++m) ei::pstoreu(out[m] + j, acc[m]);
+    }
+    for (; j < n; ++j)
+      for (int m = 0; m < Rows; ++m) {
+        float t = out[m][j];
+        for (Index c = c0; c < c1; ++c) t = std::fma(q[m][c], float(k[j + c * ldk]), t);
+        out[m][j] = t;
+      }
+  }
+}
+
+/// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic): wide blocks
+/// while at least 8 rows are left, then at most 4 at a time.
 template <typename T>
-void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s) {
-  for (Index r0 = 0; r0 < R; r0 += 4) {
+void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s,
+                ChunkPrefetch& pf) {
+  Index r0 = 0;
+  if (R >= 8)
+    for (; R - r0 >= kWideLogitRows; r0 += kWideLogitRows)
+      logitsRowsWide<kWideLogitRows, kWideLogitPackets>(a + r0, k, ldk, d, n, s + r0, pf);
+  for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
       case 1:
         logitsRowsFixed<1>(a + r0, k, ldk, d, n, s + r0);
@@ -223,10 +359,6 @@ struct decode_cache_impl {
 
   /// Query rows per block: decoding (one token, or the few of speculative decoding) is one block.
   static constexpr Index kRowBlock = 16;
-  /// Query rows per head up to which the products are matrix-vector kernels (decoding); more
-  /// take Eigen's GEMM. BM_CacheQueryRows (n_k 65536, d 128), time over one row's: 8 rows 1.86-1.89
-  /// (GEMM 2.06), 16 rows 2.97 (GEMM 2.71-2.72).
-  static constexpr Index kDecodeRows = 8;
 
   /// Keys per chunk: k and v of a chunk take about 512 KiB, in L2 while the group's rows read
   /// it; a multiple of 32 (whole quantised groups).
@@ -251,6 +383,7 @@ struct decode_cache_impl {
     std::vector<const unsigned char*> groups;
     std::vector<FloatSpan> spans;
     std::vector<char> active;
+    ChunkPrefetch prefetch;
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -378,11 +511,14 @@ struct decode_cache_impl {
         }
       }
       if (Ra == 0) continue;
-      // Several query rows per head (multi-token decoding): the products as GEMMs, whose packing
-      // pays for itself over more than kDecodeRows rows (which of the two, a head's own row
-      // count decides, never its group).
-      const bool gemm = !kQuantised && std::is_same_v<Plain, float> && bq > kDecodeRows && Ra == R;
-      logits(plan, chunk, h, Ra, dK, sc, gemm ? qs : nullptr);
+      // The products are matrix-vector kernels for any row count (up to kRowBlock per head,
+      // times the group): a row's arithmetic is its own, so a row gets the same bits whatever
+      // rows share the call (speculative decoding verifies drafts with the bits of decoding
+      // them one by one). From 8 rows on the products outlast the chunk's memory stream, so the
+      // next chunk is prefetched meanwhile.
+      sc.prefetch.clear();
+      if (Ra >= 8 && ci + 1 < c1) nextChunk(plan, plan.chunks[size_t(ci + 1)], n, h, Ra, dK, dV, sc.prefetch);
+      logits(plan, chunk, h, Ra, dK, sc);
       // A ring's oldest group may start before the first position it still holds.
       if (chunk.pos < seq.first) {
         const Index hide = std::min(n, seq.first - chunk.pos);
@@ -402,7 +538,7 @@ struct decode_cache_impl {
           sc.rowsD[size_t(Ra)] = dots + (m * bq + i) * dV;
         }
       }
-      values(plan, chunk, h, Ra, dV, sc, gemm ? dots : nullptr);
+      values(plan, chunk, h, Ra, dV, sc);
       for (Index m = 0; m < G; ++m) {
         if (!sc.active[size_t(m)]) continue;
         auto acc = stateOf(m).acc();
@@ -413,6 +549,24 @@ struct decode_cache_impl {
             acc(i, c) += std::isfinite(d[c]) ? d[c] : dotSkippingZeros(plan, chunk, h, p, c, dV);
         }
       }
+    }
+  }
+
+  /// The next chunk's float-like keys and values of kv head h into `pf`, spread over the calls
+  /// of its step that R rows make in the wide kernels over the current chunk's n keys (one per
+  /// key packet and key column, one per key packet and group of value columns).
+  static void nextChunk(const Plan& plan, const Chunk& next, Index n, Index h, Index R, Index dK, Index dV,
+                        ChunkPrefetch& pf) {
+    if constexpr (!kQuantised && !std::is_same_v<Plain, double>) {
+      constexpr Index W = Eigen::internal::packet_traits<float>::size;
+      for (Index t = next.first; t < next.last; ++t) {
+        const Piece& p = plan.cut[size_t(t)];
+        const Plain *k = at<Plain>(p.k, p.kHead, h), *v = at<Plain>(p.v, p.vHead, h);
+        for (Index c = 0; c < dK; ++c) pf.add(k + c * p.ld, p.count * Index(sizeof(Plain)));
+        for (Index c = 0; c < dV; ++c) pf.add(v + c * p.ld, p.count * Index(sizeof(Plain)));
+      }
+      pf.spreadOver(R / kWideLogitRows * (n / (kWideLogitPackets * W)) * dK +
+                    R / kWideValueRows * (n / W) * ((dV + kWideValueCols - 1) / kWideValueCols));
     }
   }
 
@@ -450,9 +604,7 @@ struct decode_cache_impl {
   }
 
   /// s rows (sc.rowsA's queries, sc.rowsS's logits) += q k^T over the chunk's keys.
-  /// gemmQ (R x d_k row-major, or null): every row active, the logits one R x n row-major block.
-  static void logits(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dK, Scratch& sc,
-                     const Acc* gemmQ = nullptr) {
+  static void logits(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dK, Scratch& sc) {
     Index offset = 0;
     if constexpr (kQuantised) {
       offset = gatherGroups<true>(plan, chunk, h, dK, sc);
@@ -466,14 +618,7 @@ struct decode_cache_impl {
       for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
       const Plain* k = at<Plain>(p.k, p.kHead, h);
       if constexpr (std::is_same_v<Plain, float>) {
-        if (gemmQ) {
-          using Stride = Eigen::OuterStride<>;
-          const Eigen::Map<const Matrix<float>, 0, Stride> km(k, p.count, dK, Stride(p.ld));
-          Eigen::Map<RowMajorMatrix<float>, 0, Stride> sm(sc.rowsO[0], R, p.count, Stride(chunk.keys));
-          sm.noalias() += Eigen::Map<const RowMajorMatrix<float>>(gemmQ, R, dK) * km.transpose();
-        } else {
-          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data());
-        }
+        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);
       } else if constexpr (std::is_same_v<Plain, double>) {
         const Eigen::Map<const Matrix<double>, 0, Eigen::OuterStride<>> km(k, p.count, dK, Eigen::OuterStride<>(p.ld));
         for (Index r = 0; r < R; ++r)
@@ -481,7 +626,7 @@ struct decode_cache_impl {
               km * Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)], dK);
       } else if constexpr (kFusedHalf) {
         if (!fusedHalf(plan, chunk)) {
-          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data());  // short pieces, in place
+          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);  // short pieces, in place
         } else {
           // Long pieces: converted in registers, 8 columns per pass over a row of logits, with
           // prefetching (axpyColumnsHalf).
@@ -498,33 +643,15 @@ struct decode_cache_impl {
         // (halfToFloat), then float's kernel.
         float* kf = sc.kf.get(p.count * dK);
         for (Index c = 0; c < dK; ++c) halfToFloat(k + c * p.ld, kf + c * p.count, p.count);
-        logitsRows(sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data());
+        logitsRows(sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data(), sc.prefetch);
       }
       offset += p.count;
     }
   }
 
   /// dots rows (sc.rowsD) = weights (sc.rowsA) . v over the chunk's keys.
-  /// gemmOut (R x d_v row-major, or null): every row active, the weights one R x n block.
-  static void values(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dV, Scratch& sc,
-                     Acc* gemmOut = nullptr) {
+  static void values(const Plan& plan, const Chunk& chunk, Index h, Index R, Index dV, Scratch& sc) {
     Index offset = 0;
-    if constexpr (std::is_same_v<Plain, float> && !kQuantised) {
-      if (gemmOut) {
-        using Stride = Eigen::OuterStride<>;
-        Eigen::Map<RowMajorMatrix<float>> out(gemmOut, R, dV);
-        out.setZero();
-        for (Index t = chunk.first; t < chunk.last; ++t) {
-          const Piece& p = plan.cut[size_t(t)];
-          const Eigen::Map<const Matrix<float>, 0, Stride> vm(at<float>(p.v, p.vHead, h), p.count, dV, Stride(p.ld));
-          const Eigen::Map<const RowMajorMatrix<float>, 0, Stride> pm(sc.rowsA[0] + offset, R, p.count,
-                                                                      Stride(chunk.keys));
-          out.noalias() += pm * vm;
-          offset += p.count;
-        }
-        return;
-      }
-    }
     bool any = false;
     if constexpr (kQuantised) {
       offset = gatherGroups<false>(plan, chunk, h, dV, sc);
@@ -610,12 +737,12 @@ struct decode_cache_impl {
           valuesShortSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(),
                            sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
         else
-          valuesSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data());
+          valuesSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(), sc.prefetch);
       } else {
         // A quantised chunk's float tail: added to the groups' dots.
         float* extra = sc.kf.get(R * dV);
         for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = extra + r * dV;
-        valuesSpans(sc.rowsA.data(), R, sc.spans.data(), Index(sc.spans.size()), dV, sc.rowsO.data());
+        valuesSpans(sc.rowsA.data(), R, sc.spans.data(), Index(sc.spans.size()), dV, sc.rowsO.data(), sc.prefetch);
         for (Index r = 0; r < R; ++r)
           for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += extra[r * dV + c];
       }
