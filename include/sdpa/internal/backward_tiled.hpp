@@ -693,12 +693,18 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                                        cached && keepY ? sc.cacheY.get(bq * nK) : nullptr,
                                        cached ? sc.cacheDp.get(bq * nK) : nullptr, cached, bq};
       if (!given) Impl::rowPass(hd, dropout, un.i0, bq, tile.k, rows, tiles, sc);
+      // dP - D cannot overflow where 4 dP and 4 D are finite. D sums the whole row: a dP of inf in
+      // another tile, at a key whose float logit ties the maximum (weight 0.2 where the exact
+      // weight is 1e-70), makes it inf, and then a plain tile's 0 * (dP - D) at a key of weight 0
+      // is NaN (found by the fuzzer): no tile of such a block takes the plain path.
+      bool dHeadroom = true;
+      for (Index r = 0; r < bq; ++r) dHeadroom = dHeadroom && std::isfinite(Scalar(4) * rows.d(un.i0 + r));
       auto dqRows = dq.block(u.q0 + un.i0, u.head * dims.dK, bq, dims.dK);
       using TileMap = typename Impl::TileMap;
       Impl::forEachTile(hd, dropout, un.i0, bq, tile.k, tiles, given, sc,
                         [&](Index j0, Index bk, TileMap& x, TileMap& y, TileMap& dp) {
                           // Given rows: no first pass looked at this dP, so its headroom is found here.
-                          bool safe = hd.finite;
+                          bool safe = hd.finite && dHeadroom;
                           if (given)
                             for (Index r = 0; safe && r < bq; ++r) safe = allWithHeadroom(dp.row(r));
                           else
