@@ -135,10 +135,11 @@ TEST_CASE("KvCache: a query head of a GQA group gets the bits of its head alone"
 
 TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits of its row alone", "[kvcache]", float,
                    double, Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
-  // Speculative decoding verifies its drafted tokens in one call: each row's products are its
-  // own (matrix-vector kernels in register blocks of several rows, the next chunk prefetched
-  // from 8 rows on), so every row equals the call on that row alone, bit for bit, whatever the
-  // row count (1 to 16 per head) and the group (rows of a GQA group's heads share the blocks).
+  // Multi-token decoding (several drafted tokens verified in one call): each row's products are
+  // its own (matrix-vector kernels in register blocks of several rows, the next chunk prefetched
+  // from 8 rows on), so over the same keys every row equals the call on that row alone, bit for
+  // bit, whatever the row count (1 to 16 per head) and the group (rows of a GQA group's heads
+  // share the blocks).
   // Several chunks of keys (1600 keys: 2 to 7 chunks by storage and d), contiguous and paged.
   std::mt19937_64 gen(31);
   const Index n = 1600;

@@ -513,9 +513,8 @@ struct decode_cache_impl {
       if (Ra == 0) continue;
       // The products are matrix-vector kernels for any row count (up to kRowBlock per head,
       // times the group): a row's arithmetic is its own, so a row gets the same bits whatever
-      // rows share the call (speculative decoding verifies drafts with the bits of decoding
-      // them one by one). From 8 rows on the products outlast the chunk's memory stream, so the
-      // next chunk is prefetched meanwhile.
+      // other rows share the call over the same keys. From 8 rows on the products outlast the
+      // chunk's memory stream, so the next chunk is prefetched meanwhile.
       sc.prefetch.clear();
       if (Ra >= 8 && ci + 1 < c1) nextChunk(plan, plan.chunks[size_t(ci + 1)], n, h, Ra, dK, dV, sc.prefetch);
       logits(plan, chunk, h, Ra, dK, sc);
