@@ -224,9 +224,9 @@ void logitsRowsFixed(const float* const* a, const T* k, Index ldk, Index d, Inde
 
 /**
  * logitsRowsFixed for the Rows of a wide block (multi-row decoding, a GQA group's rows): Rows x J
- * key packets of partial sums in registers over all d columns, so that each load of k serves
- * Rows multiply-adds and each broadcast query value J (logitsRowsFixed: one packet of keys, a
- * broadcast per multiply-add). The same arithmetic per (row, key): columns in order, one FMA
+ * key packets of partial sums in registers over 8 columns at a time, so that each load of k
+ * serves Rows multiply-adds and each broadcast query value J (logitsRowsFixed: one packet of
+ * keys, a broadcast per multiply-add). The same arithmetic per (row, key): columns in order, one FMA
  * each. Steps the next chunk's prefetch once per column of each block of J packets.
  */
 template <int Rows, int J, typename T>
