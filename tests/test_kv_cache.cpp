@@ -106,6 +106,10 @@ TEMPLATE_TEST_CASE("KvCache contiguous: cachedAttention equals multiHeadAttentio
       checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::Temperature{0.5}, sdpa::mask::SlidingWindow{40, 0, lr});
       checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::InvSqrtDk{},
                         sdpa::mask::combine(sdpa::mask::Softcap{5.0}, sdpa::mask::Causal{lr}));
+      // A key-count scale: each row's tau follows the keys it sees in the cache (C10).
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::LogN::matching(64), sdpa::mask::None{});
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::LogN::matching(64), sdpa::mask::Causal{lr});
+      checkAgainstWhole(seq, q, k, v, cs.heads, sdpa::scale::LogN{0.3}, sdpa::mask::SlidingWindow{40, 0, lr});
     }
   }
 }
@@ -206,6 +210,13 @@ TEMPLATE_TEST_CASE("KvCache ring: attention over the ring equals the sliding win
                         windowMask);
       checkAgainstWhole(ring.sequence(0), q, k.topRows(L), v.topRows(L), Heads{H, Hkv}, sdpa::scale::InvSqrtDk{},
                         alibi);
+      checkAgainstWhole(ring.sequence(0), q, k.topRows(L), v.topRows(L), Heads{H, Hkv}, sdpa::scale::LogN::matching(32),
+                        alibi);
+      // Without a window mask the rows see every position the ring holds, [first, L): a
+      // key-count scale counts those.
+      const Index first = ring.firstPosition();
+      checkAgainstWhole(ring.sequence(0), q, k.middleRows(first, L - first), v.middleRows(first, L - first),
+                        Heads{H, Hkv}, sdpa::scale::LogN::matching(32), sdpa::mask::None{});
     }
   }
   // More query rows than the ring keeps for its window: a clear error.

@@ -113,7 +113,7 @@ void batchedBackwardInto(const Kernel& kern, const ConstRef<Scalar>& q, const Co
         dtau(u.head) += backward_naive_impl<Scalar>::run(
             headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
             headBlock(v, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headBlock(dO, u.q0, u.head * dims.dV, u.nQ, dims.dV),
-            taus.head(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
+            taus.tau(u.head), itemMask(mask, u), dropout, u.head, u.q0, u.k0,
             headBlock(dq, u.q0, u.head * dims.dK, u.nQ, dims.dK),
             headBlock(dk, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
             headBlock(dv, u.k0, u.kvHead * dims.dV, u.nK, dims.dV), dbias, dbiasRow0, scratch);

@@ -620,13 +620,13 @@ Diagnostics diagnoseImpl(const char* where, const Eigen::MatrixBase<DQ>& q, cons
   typename forward_naive_impl<Scalar>::Scratch scratch;
   std::vector<RowStats> rows(size_t(q.rows()));
   Vector<Scalar> lse(q.rows());
+  const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
   for (Index h = 0; h < heads.query; ++h) {
     const Index g = h / heads.groupSize();
     const auto qh = qr.middleCols(h * dims.dK, dims.dK);
     const auto kh = kr.middleCols(g * dims.dK, dims.dK);
-    const FixedTau<Scalar> sc{headScale(scale, h).template value<Scalar>(dims.dK)};
-    forward_naive_impl<Scalar>::softmaxWithStats(qh, kh, sc, mask, h, lse, scratch, rows, 0);
-    d.heads.push_back(summarize(rows, headInputs(qh, kh, double(sc.tau)), h, underflowGap(options.precision)));
+    forward_naive_impl<Scalar>::softmaxWithStats(qh, kh, taus.tau(h), mask, h, lse, scratch, rows, 0);
+    d.heads.push_back(summarize(rows, headInputs(qh, kh, double(taus.tau(h))), h, underflowGap(options.precision)));
     weights.push_back(scratch.s.template cast<double>());
   }
   if (heads.query > 1) {

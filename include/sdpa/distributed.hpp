@@ -376,12 +376,8 @@ void mergeInto(Eigen::Ref<Matrix<double>> o, Eigen::Ref<Matrix<double>> lse, con
 
 /// Query heads [h0, h0 + count) of a scale policy as per-head constants, in precision S.
 template <typename S, typename Scale>
-scale::PerHead<sdpa::internal::FixedTau<S>> headSubset(const Scale& scale, Index heads, Index dK, Index h0,
-                                                       Index count) {
-  const sdpa::internal::HeadTaus<S> all(scale, heads, dK);
-  std::vector<sdpa::internal::FixedTau<S>> taus;
-  for (Index h = h0; h < h0 + count; ++h) taus.push_back(all.head(h));
-  return scale::PerHead<sdpa::internal::FixedTau<S>>(std::move(taus));
+sdpa::internal::HeadTaus<S> headSubset(const Scale& scale, Index heads, Index dK, Index h0, Index count) {
+  return sdpa::internal::HeadTaus<S>::subset(sdpa::internal::HeadTaus<S>(scale, heads, dK), h0, count);
 }
 
 /**

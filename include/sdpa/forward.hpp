@@ -17,8 +17,8 @@
 #include "diagnostics_sink.hpp"
 #include "dropout.hpp"
 #include "internal/checks.hpp"
+#include "internal/forward_dispatch.hpp"
 #include "internal/forward_naive.hpp"
-#include "internal/forward_tiled.hpp"
 #include "internal/key_count_scale.hpp"
 #include "internal/macros.hpp"
 #include "kernel.hpp"
@@ -101,21 +101,13 @@ void assertKernel() {
   SDPA_STATIC_ASSERT(kernel::IsKernel<Kernel>, THE_FIRST_ARGUMENT_MUST_BE_sdpa_kernel_Tiled_OR_sdpa_kernel_Naive);
 }
 
-/// The checks every single-head entry point makes before computing anything.
-template <typename Mask>
-void checkForward(const char* where, Index qRows, Index qCols, Index kRows, Index kCols, Index vRows, Index vCols,
-                  const Mask& mask) {
-  checkAttentionShapes(where, qRows, qCols, kRows, kCols, vRows, vCols);
-  mask.check(where, qRows, kRows);
-}
-
 /// s = mask(tau q k^T) of one head, materialised (attentionLogits, attentionWeights); a
 /// key-count scale as q' = r q with its row-independent tau.
 template <typename DQ, typename DK, typename Scale, typename Mask>
 void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Scale& scale, const Mask& mask,
               RowMajorMatrix<typename DQ::Scalar>& s) {
   using Scalar = typename DQ::Scalar;
-  const FixedTau<Scalar> tau{scale.template value<Scalar>(q.cols())};
+  const Scalar tau = HeadTaus<Scalar>(scale, 1, q.cols()).tau(0);
   if constexpr (scale::DependsOnKeyCount<Scale>) {
     Matrix<double> factors;
     const Matrix<Scalar> qs =
@@ -123,76 +115,6 @@ void logitsOf(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, co
     forward_naive_impl<Scalar>::logits(qs, k, tau, mask, 0, s);
   } else {
     forward_naive_impl<Scalar>::logits(q, k, tau, mask, 0, s);
-  }
-}
-
-/**
- * Sizes `sink` for a call of `heads` query heads over q's rows and records each head's inputs
- * (q and k's head blocks and tau, for the summaries); returns each query head's rows, which the
- * kernel fills.
- */
-template <typename Acc, typename DQ, typename DK, typename Scale>
-std::vector<RowStats*> startSink(DiagnosticsSink& sink, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                 const Heads& heads, Index dK, const Scale& scale) {
-  sink.start(heads.query, q.rows());
-  std::vector<RowStats*> rows(size_t(heads.query));
-  std::vector<Moments> kv(size_t(heads.keyValue));  // once per kv head, for the group's heads
-  for (Index g = 0; g < heads.keyValue; ++g) kv[size_t(g)] = moments(k.middleCols(g * dK, dK));
-  for (Index h = 0; h < heads.query; ++h) {
-    sink.inputs(h) = headInputs(moments(q.middleCols(h * dK, dK)), kv[size_t(h / heads.groupSize())], dK, q.rows(),
-                                k.rows(), double(headScale(scale, h).template value<Acc>(dK)));
-    rows[size_t(h)] = sink.rows(h).data();
-  }
-  return rows;
-}
-
-/// The naive kernel on one head: half-precision inputs are converted to float first.
-template <typename Out, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-void forwardNaive(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                  const Scale& scale, const Mask& mask, const Dropout& dropout, DiagnosticsSink* sink,
-                  Eigen::Ref<Matrix<Out>> output, Eigen::Ref<Vector<Accumulator<typename DQ::Scalar>>> lse) {
-  using Acc = Accumulator<typename DQ::Scalar>;
-  typename forward_naive_impl<Acc>::Scratch scratch;
-  const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
-  if (sink) startSink<Acc>(*sink, q, k, Heads{1}, q.cols(), scale);
-  Matrix<Acc> out(q.rows(), v.cols());
-  forward_naive_impl<Acc>::run(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), tau, mask,
-                               dropout, 0, 0, 0, out, lse, scratch, sink ? &sink->rows(0) : nullptr);
-  output = out.template cast<Out>();
-}
-
-/**
- * The single-head forward into sized outputs (output n_q x d_v, lse n_q), after the checks: the
- * tiled kernel writes them in place (no allocation once the thread's scratch has grown), a sink's
- * rows too; the naive kernel and a key-count scale go through temporaries.
- */
-template <typename Out, typename Kernel, typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-void forwardInto(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, const Scale& scale, const Mask& mask, const Dropout& dropout,
-                 DiagnosticsSink* sink, Eigen::Ref<Matrix<Out>> output,
-                 Eigen::Ref<Vector<Accumulator<typename DQ::Scalar>>> lse) {
-  using In = typename DQ::Scalar;
-  using Acc = Accumulator<In>;
-  if constexpr (scale::DependsOnKeyCount<Scale>) {
-    // tau_i = value(d_k) r(n_i): the same call on q' = r q with the row-independent tau.
-    const FixedTau<Acc> tau{scale.template value<Acc>(q.cols())};
-    forwardRowScaled<Scale>(where, sink != nullptr, q, k, v, singleItem(q.rows(), k.rows()), Heads{1}, q.cols(), mask,
-                            output, [&](const auto& qs, const auto& kx, const auto& vx, auto o) {
-                              forwardInto<typename decltype(o)::Scalar>(where, kern, qs, kx, vx, tau, mask, dropout,
-                                                                        nullptr, o, lse);
-                            });
-  } else {
-    if constexpr (!std::is_same_v<Kernel, kernel::Naive>) {
-      const std::vector<RowStats*> rows =
-          sink ? startSink<Acc>(*sink, q, k, Heads{1}, q.cols(), scale) : std::vector<RowStats*>{};
-      withInputViews<In>(q, k, v, [&](const auto& qv, const auto& kv, const auto& vv) {
-        forwardTiled<In, Out, std::decay_t<decltype(qv)>>(
-            kern, qv, kv, vv, singleItem(q.rows(), k.rows()), Heads{1}, HeadDims{q.cols(), v.cols()},
-            HeadTaus<Acc>(scale, 1, q.cols()), mask, dropout, output, lse, sink ? rows.data() : nullptr);
-      });
-    } else {
-      forwardNaive<Out>(q, k, v, scale, mask, dropout, sink, output, lse);
-    }
   }
 }
 

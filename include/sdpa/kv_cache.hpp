@@ -499,8 +499,10 @@ void checkCached(const char* where, Index qRows, Index qCols, const KvSequence<S
  * \brief Attention of query rows against a sequence of a KvCache, into outputs the caller sized:
  * out n_q x (H d_v), logSumExp n_q x H. The n_q rows are the sequence's last n_q positions (append
  * their keys and values first): mask::Causal{mask::Align::LowerRight} makes each see the keys up
- * to its own. Each kv head's keys stream once for its GQA group's query heads and rows.
- * Allocation-free once a call of the same shape has run on the thread.
+ * to its own. Each kv head's keys stream once for its GQA group's query heads and rows. A
+ * key-count scale (scale::LogN) takes for each row the positions it sees of those the sequence
+ * holds (a ring: the last ones), and is not allocation-free (a scaled copy of q). Otherwise
+ * allocation-free once a call of the same shape has run on the thread.
  */
 template <typename DQ, typename Storage, typename DOut, typename DLse, typename Scale = scale::InvSqrtDk,
           typename Mask = mask::None>
@@ -523,11 +525,19 @@ void cachedAttentionForwardInto(const Eigen::MatrixBase<DQ>& q, const KvSequence
   thread_local std::vector<internal::cache::Piece> pieces;
   seq.cache->pieces(seq.id, pieces);
   const internal::cache::SequenceView view{&pieces, seq.cache->length(seq.id), seq.cache->firstPosition(seq.id)};
+  const internal::HeadTaus<Acc> taus(scale, heads.query, sh.dK);
   const auto run = [&](const internal::ConstRef<Acc>& qa) {
-    internal::cache::decode_cache_impl<Storage>::run(qa, view, heads, sh.dK, sh.dV, scale, mask, out.derived(),
+    internal::cache::decode_cache_impl<Storage>::run(qa, view, heads, sh.dK, sh.dV, taus, mask, out.derived(),
                                                      logSumExp.derived());
   };
-  if constexpr (std::is_same_v<typename DQ::Scalar, Acc>) {
+  if constexpr (scale::DependsOnKeyCount<Scale>) {
+    // tau_i = value(d_k) r(n_i), n_i the positions row i sees of those the cache holds: the same
+    // call on q' = r q (internal/key_count_scale.hpp).
+    Matrix<double> factors;
+    const Matrix<Acc> qs = internal::rowScaledQuery<Acc, Scale>(q, internal::singleItem(q.rows(), view.length), heads,
+                                                                sh.dK, mask, factors, view.first);
+    run(internal::ConstRef<Acc>(qs));
+  } else if constexpr (std::is_same_v<typename DQ::Scalar, Acc>) {
     run(internal::ConstRef<Acc>(q));
   } else {
     const Matrix<Acc> qa = q.template cast<Acc>();

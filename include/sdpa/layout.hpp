@@ -76,10 +76,13 @@ const auto& headScale(const Scale& scale, Index h) {
     return scale;
 }
 
-/// A scale policy reduced to its value for one head (FixedTau) or for every query head
-/// (HeadTaus), in the kernels' precision S and computed once per call by the policy itself
-/// (`policy.value<S>(d_k)`, so every value is the one the policy defines). The kernels see only
-/// these types: they are compiled once per precision and mask, not once more per policy type.
+/// A scale policy reduced to its value for every query head (HeadTaus; FixedTau for one), in the
+/// kernels' precision S, computed once per call by the policy itself (`policy.value<S>(d_k)`, so
+/// every value is the one the policy defines). HeadTaus' constructor is the one place a policy
+/// becomes a number: every entry point builds one, and the kernels (naive, tiled, decoding,
+/// forward and backward) take these plain per-head values, so they are compiled once per
+/// precision and mask, not once more per policy type. A key-count scale (LogN) is reduced to
+/// its row-independent part here and its row factors are folded into q (key_count_scale.hpp).
 /// A tau of exactly 1 (None) skips its multiply at run time.
 template <typename S>
 struct FixedTau {
@@ -105,11 +108,22 @@ class HeadTaus {
     FixedTau<S>* taus = heads > kInline ? m_more.data() : m_inline.data();
     for (Index h = 0; h < heads; ++h) taus[h] = {headScale(scale, h).template value<S>(dK)};
   }
+  /// Heads [h0, h0 + count) of `all` (context parallelism's share of the heads).
+  static HeadTaus subset(const HeadTaus& all, Index h0, Index count) {
+    HeadTaus part(all, h0, count, 0);
+    return part;
+  }
   Index size() const { return m_size; }
   const FixedTau<S>& head(Index h) const { return m_size > kInline ? m_more[size_t(h)] : m_inline[size_t(h)]; }
+  S tau(Index h) const { return head(h).tau; }
 
  private:
   static constexpr Index kInline = 64;
+  HeadTaus(const HeadTaus& all, Index h0, Index count, int /*subset*/) : m_size(count) {
+    if (count > kInline) m_more.resize(size_t(count));
+    FixedTau<S>* taus = count > kInline ? m_more.data() : m_inline.data();
+    for (Index h = 0; h < count; ++h) taus[h] = all.head(h0 + h);
+  }
   Index m_size;
   std::array<FixedTau<S>, kInline> m_inline{};
   std::vector<FixedTau<S>> m_more;

@@ -29,13 +29,12 @@ struct backward_naive_impl {
   /// dbias->block(dbiasRow0, 0, n_q, n_k); returns dL/dtau of this head (in double: see below).
   /// The forward's logSumExp is not read: P is the softmax of this pass's own logits (see
   /// RowSoftmax), so each row sums to 1 in them, as in a plain computation.
-  template <typename Scale, typename Mask>
+  template <typename Mask>
   static double run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
-                    const ConstRef<Scalar>& dO, const Scale& scale, const Mask& mask, const Dropout& dropout,
-                    Index head, Index row0, Index col0, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
+                    const ConstRef<Scalar>& dO, Scalar tau, const Mask& mask, const Dropout& dropout, Index head,
+                    Index row0, Index col0, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
                     Eigen::Ref<Matrix<Scalar>> dv, Matrix<Scalar>* dbias, Index dbiasRow0, Scratch& s) {
     const Index nQ = q.rows(), nK = k.rows();
-    const Scalar tau = scale.template value<Scalar>(q.cols());
     const Scalar cap = Scalar(mask::internal::softcapOf(mask));
 
     // forward: X = q k^T;  Y = tau X;  L = mask(softcap(Y))

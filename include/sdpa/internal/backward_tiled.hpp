@@ -425,10 +425,10 @@ struct BackwardRows {
   void* stats = nullptr;
 };
 
-template <typename Scalar, typename Scale, typename Mask>
+template <typename Scalar, typename Mask>
 void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
                    const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
-                   const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                   const HeadDims& dims, const HeadTaus<Scalar>& taus, const Mask& mask, const Dropout& dropout,
                    Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
                    Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
   using Impl = backward_tiled_impl<Scalar>;
@@ -453,7 +453,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     const bool noV = dims.dV == 0;
     backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
                           noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
-                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
+                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
                           noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
                           noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
     return;
@@ -500,7 +500,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     base2.assign(pairs.size(), 0);
     for (size_t p = 0; useFast && p < pairs.size(); ++p) {
       const ItemHead& u = pairs[p];
-      const float tau = headScale(scale, u.head).template value<float>(dims.dK);
+      const float tau = float(taus.tau(u.head));
       const auto qk = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
                                         k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK), tau);
       const auto dp = fast::logitBounds(dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
@@ -518,7 +518,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   bool finite = true;
   if (!useFast) {
     for (Index h = 0; h < H; ++h) {
-      const Scalar tau = headScale(scale, h).template value<Scalar>(dims.dK);
+      const Scalar tau = taus.tau(h);
       qs.middleCols(h * dims.dK, dims.dK) =
           (foldsScaleIntoQuery(tau) ? tau : Scalar(1)) * q.middleCols(h * dims.dK, dims.dK);
     }
@@ -573,20 +573,19 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   const auto withHead = [&](const ItemHead& u, const auto& f) {
     const auto m = itemMask(mask, u);
     const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
-    const typename Impl::template Head<std::decay_t<decltype(m)>> hd{
-        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-        qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-        k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
-        dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
-        m,
-        headScale(scale, u.head).template value<Scalar>(dims.dK),
-        cap,
-        u.head,
-        u.q0,
-        u.k0,
-        dbiasRow0,
-        finite};
+    const typename Impl::template Head<std::decay_t<decltype(m)>> hd{q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+                                                                     qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+                                                                     k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+                                                                     v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
+                                                                     dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+                                                                     m,
+                                                                     taus.tau(u.head),
+                                                                     cap,
+                                                                     u.head,
+                                                                     u.q0,
+                                                                     u.k0,
+                                                                     dbiasRow0,
+                                                                     finite};
     f(hd);
   };
   // Rows of every (item, head): the softmax of each row and the centre of its dtau sum.
@@ -659,7 +658,7 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
                                                                dV,
                                                                m,
                                                                u.head,
-                                                               headScale(scale, u.head).template value<float>(dK),
+                                                               float(taus.tau(u.head)),
                                                                packed + packedAt[size_t(un.pair)],
                                                                fastK};
         const fast::BackwardOut out{dq.data() + u.q0 + un.i0 + u.head * dK * dq.outerStride(), dq.outerStride(),

@@ -435,9 +435,10 @@ struct decode_cache_impl {
   /// Key splits: by the chunk count alone (never the thread count), at most 8.
   static Index splitsOf(Index chunks) { return std::clamp<Index>(chunks / 2, 1, 8); }
 
-  template <typename Scale, typename Mask>
+  template <typename Mask>
   static void run(const ConstRef<Acc>& q, const SequenceView& seq, const Heads& heads, Index dK, Index dV,
-                  const Scale& scale, const Mask& mask, Eigen::Ref<Matrix<Acc>> out, Eigen::Ref<Matrix<Acc>> lse) {
+                  const HeadTaus<Acc>& taus, const Mask& mask, Eigen::Ref<Matrix<Acc>> out,
+                  Eigen::Ref<Matrix<Acc>> lse) {
     // The calling thread's plan (a reference: the workers' own thread_local would be empty).
     thread_local Plan callerPlan;
     Plan& plan = callerPlan;
@@ -455,7 +456,7 @@ struct decode_cache_impl {
       const Index i0 = b * kRowBlock, bq = std::min(kRowBlock, nQ - i0);
       for (Index m = 0; m < G; ++m) state(h, b, s, m).start(bq, dV);
       const Index c0 = std::min(nChunks, s * perSplit), c1 = std::min(nChunks, (s + 1) * perSplit);
-      block(q, seq, plan, c0, c1, h, G, i0, bq, dK, dV, scale, mask,
+      block(q, seq, plan, c0, c1, h, G, i0, bq, dK, dV, taus, mask,
             [&](Index m) -> OnlineSoftmax<Acc>& { return state(h, b, s, m); });
     });
     for (Index h = 0; h < heads.keyValue; ++h)
@@ -469,9 +470,9 @@ struct decode_cache_impl {
   }
 
   /// Rows [i0, i0 + bq) of the query heads of kv head h against chunks [c0, c1).
-  template <typename Scale, typename Mask, typename States>
+  template <typename Mask, typename States>
   static void block(const ConstRef<Acc>& q, const SequenceView& seq, const Plan& plan, Index c0, Index c1, Index h,
-                    Index G, Index i0, Index bq, Index dK, Index dV, const Scale& scale, const Mask& mask,
+                    Index G, Index i0, Index bq, Index dK, Index dV, const HeadTaus<Acc>& taus, const Mask& mask,
                     States&& stateOf) {
     Scratch& sc = threadScratch();
     const Index nQ = q.rows(), L = seq.length, R = G * bq;
@@ -487,7 +488,7 @@ struct decode_cache_impl {
     // qs: member m's rows (query head h G + m) from row m bq, tau folded in where it may be.
     for (Index m = 0; m < G; ++m) {
       const Index hq = h * G + m;
-      const Acc tau = headScale(scale, hq).template value<Acc>(dK);
+      const Acc tau = taus.tau(hq);
       const bool fold = foldsScaleIntoQuery(tau);
       for (Index i = 0; i < bq; ++i)
         for (Index c = 0; c < dK; ++c) {
@@ -528,7 +529,7 @@ struct decode_cache_impl {
         if (!sc.active[size_t(m)]) continue;
         const Index hq = h * G + m;
         TileMap s(sAll + m * bq * n, bq, n);
-        const Acc tau = headScale(scale, hq).template value<Acc>(dK);
+        const Acc tau = taus.tau(hq);
         if (!foldsScaleIntoQuery(tau)) s *= tau;
         if (sc.active[size_t(m)] == 2) mask.apply(s, i0, chunk.pos, nQ, L, hq);
         stateOf(m).absorb(s);

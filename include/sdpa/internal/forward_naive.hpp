@@ -88,12 +88,11 @@ template <typename Scalar>
 struct forward_naive_impl {
   /// s (n_q x n_k, row-major so each softmax row is contiguous) = mask(tau * q k^T) for query
   /// head `head` (the mask may differ per head: ALiBi slopes, per-head Keep or Bias).
-  template <typename Scale, typename Mask>
-  static void logits(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const Scale& scale, const Mask& mask,
-                     Index head, RowMajorMatrix<Scalar>& s) {
+  template <typename Mask>
+  static void logits(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, Scalar tau, const Mask& mask, Index head,
+                     RowMajorMatrix<Scalar>& s) {
     s.resize(q.rows(), k.rows());
     s.noalias() = q * k.transpose();
-    const Scalar tau = scale.template value<Scalar>(q.cols());
     if (tau != Scalar(1)) s *= tau;
     if constexpr (!Mask::IsNone) mask.apply(s, 0, 0, s.rows(), s.cols(), head);
   }
@@ -112,15 +111,14 @@ struct forward_naive_impl {
   /// scratch.s becomes P and lse its logSumExp, as logits + softmaxRows, and stats[row0 + i]
   /// receives the diagnostics of row i. Scale and mask are applied row by row, so the row's
   /// raw q.k is still in cache for its statistics.
-  template <typename Scale, typename Mask>
-  static void softmaxWithStats(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const Scale& scale,
-                               const Mask& mask, Index head, Eigen::Ref<Vector<Scalar>> lse, Scratch& scratch,
+  template <typename Mask>
+  static void softmaxWithStats(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, Scalar tau, const Mask& mask,
+                               Index head, Eigen::Ref<Vector<Scalar>> lse, Scratch& scratch,
                                std::vector<RowStats>& stats, Index row0) {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     auto& s = scratch.s;
     s.resize(q.rows(), k.rows());
     s.noalias() = q * k.transpose();
-    const Scalar tau = scale.template value<Scalar>(q.cols());
     // Without bias or softcap the raw q.k is the logit / tau: no copy needed.
     const bool rawFromLogits = rawIsLogitOverTau(mask, tau);
     for (Index i = 0; i < s.rows(); ++i) {
@@ -149,15 +147,15 @@ struct forward_naive_impl {
 
   /// One head: out (n_q x d_v) and lse (n_q). (row0, col0) place the head in the packed batch,
   /// for the dropout counters and the diagnostics rows (collected when stats is not null).
-  template <typename Scale, typename Mask>
-  static void run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, const Scale& scale,
+  template <typename Mask>
+  static void run(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, Scalar tau,
                   const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
                   Eigen::Ref<Matrix<Scalar>> out, Eigen::Ref<Vector<Scalar>> lse, Scratch& scratch,
                   std::vector<RowStats>* stats = nullptr) {
     if (stats) {
-      softmaxWithStats(q, k, scale, mask, head, lse, scratch, *stats, row0);
+      softmaxWithStats(q, k, tau, mask, head, lse, scratch, *stats, row0);
     } else {
-      logits(q, k, scale, mask, head, scratch.s);
+      logits(q, k, tau, mask, head, scratch.s);
       softmaxRows(scratch.s, lse);
     }
     if (dropout.enabled()) applyDropout(scratch.s, dropout, head, row0, col0);

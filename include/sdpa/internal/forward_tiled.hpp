@@ -319,10 +319,10 @@ struct forward_tiled_impl {
 
   /// One query head of streamDecode: its block of q (the item's n_q x d_k), scale, place in the
   /// packed batch (as stream's head, row0, col0), state and the sink's rows (or null).
-  template <typename DQ, typename Scale>
+  template <typename DQ>
   struct Member {
     DQ q;
-    const Scale* scale;
+    Acc tau;
     Index head, row0, col0;
     OnlineSoftmax<Acc>* state;
     RowStream* stats;
@@ -336,8 +336,8 @@ struct forward_tiled_impl {
    * for four rows), scale, mask and softmax per head as stream. A head's result is the same in a
    * group as alone, to the bit.
    */
-  template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
-  static void streamDecode(const Member<DQ, Scale>* members, Index count, const Eigen::MatrixBase<DK>& k,
+  template <typename DQ, typename DK, typename DV, typename Mask>
+  static void streamDecode(const Member<DQ>* members, Index count, const Eigen::MatrixBase<DK>& k,
                            const Eigen::MatrixBase<DV>& v, const Mask& mask, const Dropout& dropout, Index i0, Index bq,
                            Index kBegin, Index kEnd, Scratch& sc, bool resume) {
     const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), chunk = decodeKeys(dK, dV);
@@ -353,8 +353,7 @@ struct forward_tiled_impl {
     for (Index m = 0; m < count; ++m) {
       const auto& u = members[m];
       if (!resume) u.state->start(bq, dV);
-      const Acc tau = u.scale->template value<Acc>(dK);
-      scaledQuery(u.q, i0, tau, folds(tau, u.stats), TileMap(qsAll + m * bq * dK, bq, dK));
+      scaledQuery(u.q, i0, u.tau, folds(u.tau, u.stats), TileMap(qsAll + m * bq * dK, bq, dK));
     }
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
@@ -379,8 +378,7 @@ struct forward_tiled_impl {
         if (!sc.active[size_t(m)]) continue;
         const auto& u = members[m];
         TileMap s(sAll + m * bq * chunk, bq, cols);
-        const Acc tau = u.scale->template value<Acc>(dK);
-        absorbChunk(s, tau, folds(tau, u.stats), sc.active[size_t(m)] == 2, mask, dropout, u.q.rows(), nK, u.head,
+        absorbChunk(s, u.tau, folds(u.tau, u.stats), sc.active[size_t(m)] == 2, mask, dropout, u.q.rows(), nK, u.head,
                     u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
         for (Index r = 0; r < bq; ++r, ++R) {
           sc.rowsA[size_t(R)] = &s(r, 0);
@@ -464,14 +462,14 @@ struct forward_tiled_impl {
    * the head in the packed batch for the dropout counters. `stats` (bq rows, or null) streams
    * the rows' diagnostics (a DiagnosticsSink's), from each tile's logits before the dropout.
    */
-  template <typename DQ, typename DK, typename DV, typename Scale, typename Mask>
+  template <typename DQ, typename DK, typename DV, typename Mask>
   static void stream(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                     const Scale& scale, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0,
-                     Index i0, Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
+                     Acc tau, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0, Index i0,
+                     Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
                      bool resume = false, RowStream* stats = nullptr) {
     if constexpr (std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous) {
       if (bq <= kDecodeRows) {  // float decoding: the GQA group's kernel, on one head
-        const Member<DQ, Scale> one{q.derived(), &scale, head, row0, col0, &state, stats};
+        const Member<DQ> one{q.derived(), tau, head, row0, col0, &state, stats};
         streamDecode(&one, 1, k, v, mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
         return;
       }
@@ -480,7 +478,6 @@ struct forward_tiled_impl {
     if (!resume) state.start(bq, dV);
     // qs = tau q where folded; else the logits are multiplied after the product.
     TileMap qs(sc.qs.get(bq * dK), bq, dK);
-    const Acc tau = scale.template value<Acc>(dK);
     const bool fold = folds(tau, stats);
     scaledQuery(q, i0, tau, fold, qs);
     // Decoding (a few query rows): chunks of many keys, the products written column by column
@@ -640,17 +637,18 @@ inline Index keySplits(Index rows, Index nK, Index tileK) {
  * kernel (its raw q.k is a product of its own). View: how q, k and v are read (withInputViews):
  * ConstRef (column-major) or RowConstRef (row-major), both in place.
  */
-template <typename In, typename Out, typename View = ConstRef<In>, typename Scale, typename Mask>
+template <typename In, typename Out, typename View = ConstRef<In>, typename Mask>
 void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::type& q,
                   const typename Identity<View>::type& k, const typename Identity<View>::type& v,
-                  const BatchLayout& layout, const Heads& heads, const HeadDims& dims, const Scale& scale,
-                  const Mask& mask, const Dropout& dropout, Eigen::Ref<Matrix<Out>> out,
-                  Eigen::Ref<Matrix<Accumulator<In>>> lse, RowStats* const* stats = nullptr) {
+                  const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
+                  const HeadTaus<Accumulator<In>>& taus, const Mask& mask, const Dropout& dropout,
+                  Eigen::Ref<Matrix<Out>> out, Eigen::Ref<Matrix<Accumulator<In>>> lse,
+                  RowStats* const* stats = nullptr) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
   if constexpr (!std::is_same_v<View, ConstRef<In>>) {
     if (dims.dK == 0 || dims.dV == 0) {  // no data to read in place: the column-major route
-      forwardTiled<In, Out>(kernel, ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v), layout, heads, dims, scale, mask,
+      forwardTiled<In, Out>(kernel, ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v), layout, heads, dims, taus, mask,
                             dropout, out, lse, stats);
       return;
     }
@@ -673,7 +671,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : ConstRef<In>(q),
                           dims.dK == 0 ? ConstRef<In>(k1) : ConstRef<In>(k),
                           dims.dV == 0 ? ConstRef<In>(v1) : ConstRef<In>(v), layout, heads,
-                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, scale, mask, dropout,
+                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
                           dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse, stats);
     return;
   }
@@ -714,8 +712,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
   // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
   // fewer are decoding, split over key ranges.
   const auto prefill = [&](const ItemHead& u) {
-    return useFast && u.nQ > Impl::kDecodeRows &&
-           !(stats && headScale(scale, u.head).template value<float>(dims.dK) == 0.0f);
+    return useFast && u.nQ > Impl::kDecodeRows && !(stats && float(taus.tau(u.head)) == 0.0f);
   };
   const int threads = maxThreads();
   // The fp32 products' own block sizes, for prefill: the kernel takes a tile one lane group at a
@@ -803,8 +800,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
       // it, against a few query rows) would cost more than the decoding itself.
       if (!prefill(u)) continue;
       bounds[p] = fast::logitBounds(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-                                    k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-                                    headScale(scale, u.head).template value<float>(dims.dK));
+                                    k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK), float(taus.tau(u.head)));
     }
     if constexpr (kHalf) {
       // The pairs that share an (item, kv head) share its conversion, done by the first of them.
@@ -858,7 +854,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     if constexpr (kFloat || kHalf) {
       const ItemHead& u = pairs[size_t(w.pair)];
       if (!prefill(u)) return false;
-      const float tau = headScale(scale, u.head).template value<float>(dims.dK);
+      const float tau = float(taus.tau(u.head));
       const auto qh = q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK);
       const auto kh = k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK);
       const auto vh = v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV);
@@ -897,9 +893,8 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     const ItemHead& u = pairs[size_t(w.pair)];
     if (rows && !resume) rows->assign(size_t(w.rows), RowStream{});
     Impl::stream(q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-                 v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), headScale(scale, u.head), itemMask(mask, u), dropout,
-                 u.head, u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc, resume,
-                 rows ? rows->data() : nullptr);
+                 v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), taus.tau(u.head), itemMask(mask, u), dropout, u.head,
+                 u.q0, u.k0, w.i0, w.rows, kBegin, kEnd, tile.k, state, sc, resume, rows ? rows->data() : nullptr);
   };
   const auto slice = [&](const Unit& w, Index split, OnlineSoftmax<Acc>& state, typename Impl::Scratch& sc,
                          std::vector<RowStream>* rows = nullptr) {
@@ -910,7 +905,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     const auto l = lse.col(u.head).segment(u.q0 + w.i0, w.rows);
     state.finish(out.block(u.q0 + w.i0, u.head * dims.dV, w.rows, dims.dV), l);
     if (stats) {  // the unit's rows, streamed and merged by this thread (sc.rows)
-      const Acc tau = headScale(scale, u.head).template value<Acc>(dims.dK);
+      const Acc tau = taus.tau(u.head);
       const double rawTau = rawIsLogitOverTau(itemMask(mask, u), tau) ? double(tau) : 0.0;
       const auto& rows = Impl::threadScratch().rows;
       for (Index i = 0; i < w.rows; ++i)
@@ -971,13 +966,12 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
           // (streamDecode), the same per head as alone.
           const ItemHead& lu = pairs[size_t(lead.pair)];
           using QBlock = decltype(q.block(0, 0, 1, 1));
-          using HeadScale = std::decay_t<decltype(headScale(scale, 0))>;
-          thread_local std::vector<typename Impl::template Member<QBlock, HeadScale>> group;
+          thread_local std::vector<typename Impl::template Member<QBlock>> group;
           group.clear();
           for (Index m = 0; m < members; ++m) {
             const ItemHead& u = pairs[size_t(units[size_t(first + m)].pair)];
-            group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), &headScale(scale, u.head), u.head, u.q0,
-                             u.k0, &sc.group[size_t(s == 0 ? m : members + m)], nullptr});
+            group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), taus.tau(u.head), u.head, u.q0, u.k0,
+                             &sc.group[size_t(s == 0 ? m : members + m)], nullptr});
           }
           Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, dims.dK),
                              v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, dims.dV), itemMask(mask, lu), dropout, lead.i0,

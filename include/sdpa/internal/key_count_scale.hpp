@@ -29,17 +29,18 @@ struct RowFactorPolicy<scale::PerHead<P>> {
   using type = P;
 };
 
-/// The number of keys row i (of nQ) sees under mask m for query head `head`: whole blocks of keys
-/// by classify, entry by entry only where a block is partly hidden (O(n_k / 64 + 64) per row
-/// for causal and window masks).
+/// The number of keys row i (of nQ) sees among keys [firstKey, nK) under mask m for query head
+/// `head`: whole blocks of keys by classify, entry by entry only where a block is partly hidden
+/// (O(n_k / 64 + 64) per row for causal and window masks). firstKey > 0: a ring's oldest
+/// positions, gone from the cache.
 template <typename Mask>
-Index visibleKeys(const Mask& m, Index i, Index nQ, Index nK, Index head) {
+Index visibleKeys(const Mask& m, Index i, Index nQ, Index nK, Index head, Index firstKey = 0) {
   if constexpr (Mask::IsNone) {
-    return nK;
+    return nK - firstKey;
   } else {
     constexpr Index kBlock = 64;
     Index count = 0;
-    for (Index j0 = 0; j0 < nK; j0 += kBlock) {
+    for (Index j0 = firstKey; j0 < nK; j0 += kBlock) {
       const Index cols = std::min(kBlock, nK - j0);
       const mask::Tile t = m.classify(i, 1, j0, cols, nQ, nK, head);
       if (t == mask::Tile::Visible) {
@@ -54,19 +55,20 @@ Index visibleKeys(const Mask& m, Index i, Index nQ, Index nK, Index head) {
 
 /**
  * q' = r q for every (item, head) of a packed batch: row i of head h scaled by
- * r(n_i) = Policy::rowFactor(visible keys of row i under the item's mask for head h), computed in
- * double and rounded once to S. factors (n_q x H) receives r. q is n_q x (H d_k).
+ * r(n_i) = Policy::rowFactor(visible keys of row i under the item's mask for head h, from key
+ * firstKey on), computed in double and rounded once to S. factors (n_q x H) receives r. q is
+ * n_q x (H d_k).
  */
 template <typename S, typename Scale, typename DQ, typename Mask>
 Matrix<S> rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layout, const Heads& heads, Index dK,
-                         const Mask& mask, Matrix<double>& factors) {
+                         const Mask& mask, Matrix<double>& factors, Index firstKey = 0) {
   using Policy = typename RowFactorPolicy<std::decay_t<Scale>>::type;
   Matrix<S> qs(q.rows(), q.cols());
   factors.setZero(q.rows(), heads.query);
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     const auto m = itemMask(mask, u);
     for (Index i = 0; i < u.nQ; ++i)
-      factors(u.q0 + i, u.head) = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head));
+      factors(u.q0 + i, u.head) = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head, firstKey));
     for (Index c = 0; c < dK; ++c)  // column by column: qs is column-major
       for (Index i = 0; i < u.nQ; ++i)
         qs(u.q0 + i, u.head * dK + c) =
