@@ -7,6 +7,7 @@
 #include <char_lm/model.hpp>
 
 #include "support/finite_differences.hpp"
+#include "support/quant_bound.hpp"
 
 #include <functional>
 #include <random>
@@ -236,5 +237,76 @@ TEST_CASE("char_lm: generating through a KvCache gives the tokens and logits of 
       CHECK(cache.length(seq) == total);
       if (ring) CHECK(cache.firstPosition() == total - cfg.seqLen);
     }
+  }
+}
+
+namespace {
+
+/// Greedy generation of `total` tokens through a quantised cache (sequence seq): at every step
+/// the token's attention output, head by head, against the exact attention in double over the
+/// same tokens' keys and values (the rows decodeStep computed), within the bound of the
+/// quantisation step and float rounding (support/quant_bound.hpp). window > 0: a sliding window
+/// of that many keys (a ring), else causal over the whole sequence.
+template <typename Storage, typename Model>
+void checkQuantisedGeneration(const Model& model, sdpa::KvCache<Storage>& cache, Index seq, Index total, Index window) {
+  const auto& cfg = model.config();
+  const Index C = cfg.dModel, H = cfg.heads, d = cfg.headDim(), prompt = 12;
+  const double tau = model.tau();
+  const auto lr = sdpa::mask::Align::LowerRight;
+  Mat k(total, C), v(total, C), logits;
+  typename Model::StepTrace trace;
+  double worst = 0;  // the largest error over its bound where quantised keys are seen
+  std::vector<int> tokens;
+  for (Index t = 0; t < total; ++t) {
+    int next = int((t * 7) % cfg.vocab);
+    if (t >= prompt) logits.row(0).maxCoeff(&next);
+    tokens.push_back(next);
+    logits = window > 0 ? model.decodeStep(next, cache, seq, sdpa::mask::SlidingWindow{window - 1, 0, lr}, &trace)
+                        : model.decodeStep(next, cache, seq, sdpa::mask::Causal{lr}, &trace);
+    k.row(t) = trace.k;
+    v.row(t) = trace.v;
+    const Index from = window > 0 ? std::max<Index>(0, t + 1 - window) : 0, to = t + 1;
+    for (Index h = 0; h < H; ++h) {
+      const Eigen::VectorXd q = trace.q.row(0).segment(h * d, d).transpose();
+      const auto kh = k.topRows(to).middleCols(h * d, d);
+      const auto vh = v.topRows(to).middleCols(h * d, d);
+      Eigen::VectorXd s = tau * (kh.middleRows(from, to - from) * q);
+      const Eigen::VectorXd w = (s.array() - s.maxCoeff()).exp();
+      const Eigen::VectorXd exact = vh.middleRows(from, to - from).transpose() * (w / w.sum());
+      const Eigen::VectorXd bound = sdpa_test::quantisedAttentionBound<Storage>(q, kh, vh, from, to, tau);
+      for (Index c = 0; c < d; ++c) {
+        const double err = std::abs(trace.attention(0, h * d + c) - exact(c));
+        INFO("step " << t << ", head " << h << ", column " << c << ": error " << err << ", bound " << bound(c));
+        REQUIRE(err <= bound(c));
+        if (to / 32 * 32 > from) worst = std::max(worst, err / bound(c));  // quantised keys among them
+      }
+    }
+  }
+  CHECK(cache.length(seq) == total);
+  WARN(Storage::Bits << "-bit K/V, " << total << " tokens: the attention error reached " << worst << " of its bound");
+}
+
+}  // namespace
+
+TEST_CASE("char_lm: generating through a q8 or q4 KvCache stays within the quantisation bound") {
+  // 300 positions through a q8 ring (a sliding window of T = 48 keys) and a paged q4 cache (causal
+  // over all): each step's attention against the exact attention over the same keys and values.
+  char_lm::ModelConfig cfg;
+  cfg.vocab = 29;
+  cfg.seqLen = 48;
+  cfg.dModel = 32;
+  cfg.heads = 4;
+  std::mt19937_64 gen(5);
+  const char_lm::Model<double, sdpa::scale::InvSqrtDk> model(cfg, sdpa::scale::InvSqrtDk{}, gen);
+  const Index total = 300, dK = cfg.headDim();
+  const sdpa::CacheShape shape{cfg.heads, dK, dK};
+  SECTION("q8 ring") {
+    auto ring = sdpa::KvCache<sdpa::kv::Q8>::ring(shape, cfg.seqLen, 1);
+    checkQuantisedGeneration(model, ring, 0, total, cfg.seqLen);
+  }
+  SECTION("q4 paged") {
+    auto paged = sdpa::KvCache<sdpa::kv::Q4>::paged(shape, 32, total / 32 + 1);
+    const Index seq = paged.addSequence();
+    checkQuantisedGeneration(model, paged, seq, total, 0);
   }
 }

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "support/cases.hpp"
+#include "support/quant_bound.hpp"
 
 namespace {
 
@@ -400,39 +401,18 @@ TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the q
   const auto got = sdpa::cachedAttentionForward(q, cache, Heads{H, Hkv});
   const auto exact = sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, q.cast<double>(), k.cast<double>(),
                                                      v.cast<double>(), Heads{H, Hkv});
-  // Bound: a value's error is at most step / 2, step = (max |x| of its 32-key channel block) /
-  // MaxCode rounded up to an fp16 (relative 2^-10); q8 keys' logits also round the query row's
-  // weights to int16 (kv_quant.hpp: at most d 127 ws / 2). A logit's error is then at most
-  // delta = tau sum_c |q_c| step_kc / 2; weights move by a factor within e^{+-2 delta}, so an
-  // output moves by at most (e^{2 delta} - 1) (range of its value column) / 2, plus the values'
-  // own error, at most max step_v / 2; plus float rounding (1e-5 here).
-  const double rel = 1.0 + std::ldexp(1.0, -10);
+  // The bound of the quantisation step and float rounding (support/quant_bound.hpp).
+  const Eigen::MatrixXd kd = k.cast<double>(), vd = v.cast<double>();
   for (Index h = 0; h < H; ++h) {
     const Index kv = h / (H / Hkv);
     for (Index i = 0; i < q.rows(); ++i) {
-      double delta = 0;
-      const Index full = n / 32 * 32;
-      for (Index g = 0; g < full / 32; ++g) {
-        double d = 0;
-        double wMax = 0;  // q8 keys: max_c |tau q_c scale_c|, whose int16 rounding adds d 127 (wMax / 32767) / 2
-        for (Index c = 0; c < dK; ++c) {
-          const double step = double(k.block(g * 32, kv * dK + c, 32, 1).cwiseAbs().maxCoeff()) / F::MaxCode * rel;
-          d += std::abs(double(q(i, h * dK + c))) * step / 2;
-          wMax = std::max(wMax, tau * std::abs(double(q(i, h * dK + c))) * step);
-        }
-        const double intRounding = F::Bits == 8 ? double(dK) * 127.0 * (wMax / 32767.0) / 2 * rel : 0.0;
-        delta = std::max(delta, tau * d + intRounding);
-      }
+      const Eigen::VectorXd bound =
+          sdpa_test::quantisedAttentionBound<F>(q.row(i).segment(h * dK, dK).transpose().cast<double>(),
+                                                kd.middleCols(kv * dK, dK), vd.middleCols(kv * dV, dV), 0, n, tau);
       for (Index c = 0; c < dV; ++c) {
-        const auto col = v.col(kv * dV + c);
-        double vStep = 0;
-        for (Index g = 0; g < full / 32; ++g)
-          vStep = std::max(vStep, double(col.segment(g * 32, 32).cwiseAbs().maxCoeff()) / F::MaxCode * rel);
-        const double range = double(col.maxCoeff() - col.minCoeff());
-        const double bound = std::expm1(2 * delta) * range / 2 + vStep / 2 + 1e-5;
         const double err = std::abs(double(got.output(i, h * dV + c)) - exact.output(i, h * dV + c));
-        INFO("head " << h << " row " << i << " column " << c << ": error " << err << ", bound " << bound);
-        CHECK(err <= bound);
+        INFO("head " << h << " row " << i << " column " << c << ": error " << err << ", bound " << bound(c));
+        CHECK(err <= bound(c));
       }
     }
   }

@@ -120,10 +120,15 @@ class Model {
    * One token of decoding: appends its k and v to `cache` (this layer's, sequence `seq`), attends
    * its query to the cache under `mask` (LowerRight-aligned: the token is the cache's newest
    * position) and returns its logits (1 x V). O(cache length) per token instead of
-   * sequenceLogits's O(n^2).
+   * sequenceLogits's O(n^2). `trace`, if not null, receives the token's q, k, v rows (1 x C) and
+   * its attention output (1 x C), as the cache computed it.
    */
+  struct StepTrace {
+    Matrix<Scalar> q, k, v, attention;
+  };
   template <typename Storage, typename Mask>
-  Matrix<Scalar> decodeStep(int token, sdpa::KvCache<Storage>& cache, Index seq, const Mask& mask) const {
+  Matrix<Scalar> decodeStep(int token, sdpa::KvCache<Storage>& cache, Index seq, const Mask& mask,
+                            StepTrace* trace = nullptr) const {
     const Index pos = cache.length(seq);
     Matrix<Scalar> x0 = p(kWte).row(token) + p(kWpe).row(pos % m_config.seqLen), h1, q, k, v;
     LayerNormCache<Scalar> ln;
@@ -133,6 +138,7 @@ class Model {
     linearForward(h1, p(kWv), p(kBv), v);
     cache.append(seq, k, v);
     const auto attn = sdpa::cachedAttention(q, cache.sequence(seq), heads(), m_scale, mask);
+    if (trace) *trace = {q, k, v, attn.template cast<Scalar>()};
     return afterAttention(x0, attn.template cast<Scalar>());
   }
 
