@@ -570,6 +570,15 @@ struct decode_cache_impl {
     }
   }
 
+  /// Pieces of at most this many keys have their successor's successor prefetched (half storage).
+  static constexpr Index kPrefetchPiece = 32;
+  /// n elements from p into L2, a line at a time.
+  template <typename T>
+  static void prefetchRun(const T* p, Index n) {
+    const char* c = reinterpret_cast<const char*>(p);
+    const Index bytes = n * Index(sizeof(T));
+    for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
+  }
   static constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   /// Pieces of fewer keys on average are short (valuesShortSpans); the fused half kernels need
   /// runs of at least kFusedRun keys (their loops take 32 keys at a time).
@@ -617,6 +626,16 @@ struct decode_cache_impl {
       if (p.quantised) continue;
       for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
       const Plain* k = at<Plain>(p.k, p.kHead, h);
+      if constexpr (IsHalfScalar<Plain>) {
+        // Half storage in short pieces (paged blocks of up to 32 keys, a few KiB each in pages of
+        // their own, where the hardware prefetcher stops): the keys of the piece after next
+        // requested now. A block of 16 keys, d 128: 1.7x faster; float pieces gain nothing (and
+        // lose from 64 keys on), so they are left to the hardware.
+        if (p.count <= kPrefetchPiece && t + 2 < chunk.last && sc.prefetch.runs.empty()) {
+          const Piece& n2 = plan.cut[size_t(t + 2)];
+          if (!n2.quantised) prefetchRun(at<Plain>(n2.k, n2.kHead, h), (dK - 1) * n2.ld + n2.count);
+        }
+      }
       if constexpr (std::is_same_v<Plain, float>) {
         logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);
       } else if constexpr (std::is_same_v<Plain, double>) {
