@@ -354,6 +354,22 @@ TEST_CASE("backward into sized gradients: what the allocating backward computes,
     CHECK(dscale == g.dscale);
     for (Index h = 0; h < 2; ++h) CHECK(logN.head(h).grad() == logNRef.head(h).grad());
   }
+  SECTION("the forward's output and logSumExp are only checked: row-major ones are not copied") {
+    const Mat<float> q = randn<float>(40, 16, 51), k = randn<float>(60, 16, 52), v = randn<float>(60, 16, 53),
+                     dO = randn<float>(40, 16, 54);
+    const auto fwd = sdpa::attentionForward(q, k, v);
+    const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> outRows = fwd.output;
+    Mat<float> dq(40, 16), dk(60, 16), dv(60, 16);
+    const auto call = [&] {
+      sdpa::attentionBackwardInto(q, k, v, outRows, fwd.logSumExp, dO, dq, dk, dv, sdpa::scale::InvSqrtDk{});
+    };
+    call();
+    CHECK(allocationsOf(call) == 0);  // a copy of the 40 x 16 output would allocate
+    const auto g = sdpa::attentionBackward(q, k, v, fwd, dO);
+    CHECK(dq == g.dq);
+    CHECK(dk == g.dk);
+    CHECK(dv == g.dv);
+  }
   SECTION("the gradients' shapes are checked and named") {
     const Mat<float> q = randn<float>(3, 8, 1), k = randn<float>(5, 8, 2), v = randn<float>(5, 4, 3),
                      dO = randn<float>(3, 4, 4);

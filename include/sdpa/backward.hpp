@@ -123,23 +123,32 @@ void batchedBackwardInto(const Kernel& kern, const ConstRef<Scalar>& q, const Co
   }
 }
 
+/// The shape of an argument that is only checked, never read (the forward's output and
+/// logSumExp): taken as its sizes, so that no storage order makes a copy of it.
+struct Shape {
+  Index rows, cols;
+};
+template <typename D>
+Shape shapeOf(const Eigen::MatrixBase<D>& x) {
+  return {x.rows(), x.cols()};
+}
+
 /// Every run-time check of a backward call; returns each head's d_k and d_v.
 template <typename Scalar, typename Scale, typename Mask>
 HeadDims checkBackward(const char* where, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                       const ConstRef<Scalar>& v, const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
-                       const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads, const Scale& scale,
-                       const Mask& mask, const Dropout& dropout) {
+                       const ConstRef<Scalar>& v, Shape o, Shape lse, const ConstRef<Scalar>& dO,
+                       const BatchLayout& layout, const Heads& heads, const Scale& scale, const Mask& mask,
+                       const Dropout& dropout) {
   const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
                                    scale, mask, dropout);
-  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows(), o.cols(), lse.rows(),
-                              lse.cols(), dO.rows(), dO.cols());
+  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows, o.cols, lse.rows, lse.cols,
+                              dO.rows(), dO.cols());
   return dims;
 }
 
 template <typename Scalar, typename Kernel, typename Scale, typename Mask>
 MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
-                                           const ConstRef<Scalar>& k, const ConstRef<Scalar>& v,
-                                           const ConstRef<Scalar>& o, const ConstRef<Scalar>& lse,
+                                           const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, Shape o, Shape lse,
                                            const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
                                            const Scale& scale, const Mask& mask, const Dropout& dropout) {
   const HeadDims dims = checkBackward<Scalar>(where, q, k, v, o, lse, dO, layout, heads, scale, mask, dropout);
@@ -160,9 +169,9 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
 template <typename Scalar, typename Kernel, typename Scale, typename Mask, typename DDq, typename DDk, typename DDv,
           typename DDs>
 void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
-                                const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, const ConstRef<Scalar>& o,
-                                const ConstRef<Scalar>& lse, const ConstRef<Scalar>& dO, const BatchLayout& layout,
-                                const Heads& heads, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                                const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, Shape o, Shape lse,
+                                const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
+                                const Scale& scale, const Mask& mask, const Dropout& dropout,
                                 const Eigen::MatrixBase<DDq>& dq, const Eigen::MatrixBase<DDk>& dk,
                                 const Eigen::MatrixBase<DDv>& dv, const Eigen::MatrixBase<DDs>& dscale) {
   assertWritableOutput<DDq>();
@@ -218,8 +227,8 @@ void packedBackwardInto(const char* where, const Kernel& kern, const Eigen::Matr
                         const Eigen::MatrixBase<DDv>& dv, const Eigen::MatrixBase<DDs>& dscale, Scale&& scale,
                         const Mask& mask, const Dropout& dropout) {
   assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
-  batchedBackwardIntoChecked<typename DQ::Scalar>(where, kern, q, k, v, out, logSumExp, dOut, layout, heads, scale,
-                                                  mask, dropout, dq, dk, dv, dscale);
+  batchedBackwardIntoChecked<typename DQ::Scalar>(where, kern, q, k, v, shapeOf(out), shapeOf(logSumExp), dOut, layout,
+                                                  heads, scale, mask, dropout, dq, dk, dv, dscale);
   if constexpr (AccumulatesInto<Scale>) accumulateScaleGrad(scale, dscale);
 }
 
@@ -248,7 +257,8 @@ Gradients<typename DQ::Scalar> attentionBackward(const Kernel& kern, const Eigen
   using Scalar = typename DQ::Scalar;
   constexpr const char* where = "sdpa::attentionBackward";
   internal::checkSingleHeadBackward<Kernel, DO, std::decay_t<Scale>>(where, q, k, v, mask);
-  auto g = internal::batchedBackward<Scalar>(where, kern, q, k, v, fwd.output, fwd.logSumExp, dOut,
+  auto g = internal::batchedBackward<Scalar>(where, kern, q, k, v, internal::shapeOf(fwd.output),
+                                             internal::shapeOf(fwd.logSumExp), dOut,
                                              internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
   return Gradients<Scalar>{std::move(g.dq), std::move(g.dk), std::move(g.dv), g.dscale(0), std::move(g.dbias)};
@@ -286,9 +296,9 @@ MultiHeadGradients<typename DQ::Scalar> multiHeadAttentionBackward(
     Scale&& scale, const Mask& mask = Mask(), const Dropout& dropout = Dropout()) {
   internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
   using Scalar = typename DQ::Scalar;
-  auto g =
-      internal::batchedBackward<Scalar>("sdpa::multiHeadAttentionBackward", kern, q, k, v, fwd.output, fwd.logSumExp,
-                                        dOut, internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout);
+  auto g = internal::batchedBackward<Scalar>("sdpa::multiHeadAttentionBackward", kern, q, k, v,
+                                             internal::shapeOf(fwd.output), internal::shapeOf(fwd.logSumExp), dOut,
+                                             internal::singleItem(q.rows(), k.rows()), heads, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
   return g;
 }
@@ -314,8 +324,9 @@ MultiHeadGradients<typename DQ::Scalar> batchedAttentionBackward(
     const Dropout& dropout = Dropout()) {
   internal::assertBackwardTypes<Kernel, DQ, DK, DV, DO, std::decay_t<Scale>, Mask>();
   using Scalar = typename DQ::Scalar;
-  auto g = internal::batchedBackward<Scalar>("sdpa::batchedAttentionBackward", kern, q, k, v, fwd.output, fwd.logSumExp,
-                                             dOut, layout, heads, scale, mask, dropout);
+  auto g =
+      internal::batchedBackward<Scalar>("sdpa::batchedAttentionBackward", kern, q, k, v, internal::shapeOf(fwd.output),
+                                        internal::shapeOf(fwd.logSumExp), dOut, layout, heads, scale, mask, dropout);
   if constexpr (internal::AccumulatesInto<Scale>) internal::accumulateScaleGrad(scale, g.dscale);
   return g;
 }
@@ -365,9 +376,9 @@ typename DQ::Scalar attentionBackwardInto(const Kernel& kern, const Eigen::Matri
   internal::checkSingleHeadBackward<Kernel, DO, S>(where, q, k, v, mask);
   Scalar dscale[1] = {Scalar(0)};
   Eigen::Map<Vector<Scalar>> ds(dscale, 1);
-  internal::batchedBackwardIntoChecked<Scalar>(where, kern, q, k, v, out, logSumExp, dOut,
-                                               internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout,
-                                               dq, dk, dv, ds);
+  internal::batchedBackwardIntoChecked<Scalar>(
+      where, kern, q, k, v, internal::shapeOf(out), internal::shapeOf(logSumExp), dOut,
+      internal::singleItem(q.rows(), k.rows()), Heads{1}, scale, mask, dropout, dq, dk, dv, ds);
   if constexpr (internal::AccumulatesInto<Scale>) scale.accumulateGrad(typename S::Scalar(dscale[0]));
   return dscale[0];
 }
