@@ -30,6 +30,16 @@ Mat randn(Index rows, Index cols, std::mt19937_64& gen, double scale = 1.0) {
 constexpr double kStep = 1e-5;
 constexpr double kTolerance = 1e-7;
 
+/// The decoding tests' model: 29 characters, T = 48 positions, 4 heads of d_k 8.
+char_lm::ModelConfig decodingConfig() {
+  char_lm::ModelConfig cfg;
+  cfg.vocab = 29;
+  cfg.seqLen = 48;
+  cfg.dModel = 32;
+  cfg.heads = 4;
+  return cfg;
+}
+
 /// Checks `analytic` = d loss / d x entry by entry against central differences.
 void checkGradient(const std::function<double()>& loss, Mat& x, const Mat& analytic, const char* what) {
   INFO(what);
@@ -196,11 +206,7 @@ TEST_CASE("char_lm: generating through a KvCache gives the tokens and logits of 
   // against sequenceLogits over the whole sequence at every step. 200 positions, beyond the
   // model's T = 48 (positions wrap, as in training's windows): the ring holds the last T keys,
   // its reference is a sliding window of T keys; the others attend to the whole sequence.
-  char_lm::ModelConfig cfg;
-  cfg.vocab = 29;
-  cfg.seqLen = 48;
-  cfg.dModel = 32;
-  cfg.heads = 4;
+  const char_lm::ModelConfig cfg = decodingConfig();
   std::mt19937_64 gen(3);
   const char_lm::Model<double, sdpa::scale::InvSqrtDk> model(cfg, sdpa::scale::InvSqrtDk{}, gen);
   const Index prompt = 12, total = 200, dK = cfg.headDim();
@@ -291,11 +297,7 @@ void checkQuantisedGeneration(const Model& model, sdpa::KvCache<Storage>& cache,
 TEST_CASE("char_lm: generating through a q8 or q4 KvCache stays within the quantisation bound") {
   // 300 positions through a q8 ring (a sliding window of T = 48 keys) and a paged q4 cache (causal
   // over all): each step's attention against the exact attention over the same keys and values.
-  char_lm::ModelConfig cfg;
-  cfg.vocab = 29;
-  cfg.seqLen = 48;
-  cfg.dModel = 32;
-  cfg.heads = 4;
+  const char_lm::ModelConfig cfg = decodingConfig();
   std::mt19937_64 gen(5);
   const char_lm::Model<double, sdpa::scale::InvSqrtDk> model(cfg, sdpa::scale::InvSqrtDk{}, gen);
   const Index total = 300, dK = cfg.headDim();
