@@ -203,15 +203,21 @@ TEMPLATE_TEST_CASE("char_lm: whole-model gradients through sdpa's attention  [se
 
 TEST_CASE("char_lm: generating through a KvCache gives the tokens and logits of recomputing every step") {
   // Greedy decoding of a (randomly initialised) model, token by token through each cache mode,
-  // against sequenceLogits over the whole sequence at every step. 200 positions, beyond the
-  // model's T = 48 (positions wrap, as in training's windows): the ring holds the last T keys,
-  // its reference is a sliding window of T keys; the others attend to the whole sequence.
+  // against sequenceLogits over the whole sequence. 300 positions, beyond the model's T = 48
+  // (positions wrap, as in training's windows): the ring holds the last T keys, its reference is
+  // a sliding window of T keys; the others attend to the whole sequence. Under these masks row t
+  // of the whole sequence's logits depends on tokens 0..t only, so it is what recomputing the
+  // sequence at step t gives: one recomputation of all the tokens serves every step, and a
+  // prefix recomputed at a few steps checks that equivalence itself.
   const char_lm::ModelConfig cfg = decodingConfig();
   std::mt19937_64 gen(3);
   const char_lm::Model<double, sdpa::scale::InvSqrtDk> model(cfg, sdpa::scale::InvSqrtDk{}, gen);
-  const Index prompt = 12, total = 200, dK = cfg.headDim();
+  const Index prompt = 12, total = 300, dK = cfg.headDim();
   const sdpa::CacheShape shape{cfg.heads, dK, dK};
   const auto lr = sdpa::mask::Align::LowerRight, ul = sdpa::mask::Align::UpperLeft;
+  const auto relative = [](const Mat& a, const Mat& b) {
+    return (a - b).cwiseAbs().maxCoeff() / std::max(1.0, b.cwiseAbs().maxCoeff());
+  };
   for (const auto mode : {sdpa::CacheMode::Contiguous, sdpa::CacheMode::Ring, sdpa::CacheMode::Paged}) {
     const bool ring = mode == sdpa::CacheMode::Ring;
     DYNAMIC_SECTION((ring ? "ring" : mode == sdpa::CacheMode::Paged ? "paged" : "contiguous")) {
@@ -219,22 +225,32 @@ TEST_CASE("char_lm: generating through a KvCache gives the tokens and logits of 
                    : ring                              ? sdpa::KvCache<double>::ring(shape, cfg.seqLen, 1)
                                                        : sdpa::KvCache<double>::paged(shape, 16, total / 16 + 1);
       const Index seq = mode == sdpa::CacheMode::Paged ? cache.addSequence() : 0;
+      const auto recompute = [&](const std::vector<int>& tokens) {
+        return ring ? model.sequenceLogits(tokens, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, ul})
+                    : model.sequenceLogits(tokens, sdpa::mask::Causal{ul});
+      };
       std::vector<int> tokens;
-      Mat logits;
-      double worst = 0;
+      Mat steps(total, cfg.vocab);
       for (Index t = 0; t < total; ++t) {
         int next = int((t * 7) % cfg.vocab);  // the prompt
-        if (t >= prompt) logits.row(0).maxCoeff(&next);
+        if (t >= prompt) steps.row(t - 1).maxCoeff(&next);
         tokens.push_back(next);
-        logits = ring ? model.decodeStep(next, cache, seq, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, lr})
-                      : model.decodeStep(next, cache, seq, sdpa::mask::Causal{lr});
-        const Mat whole = ring ? model.sequenceLogits(tokens, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, ul})
-                               : model.sequenceLogits(tokens, sdpa::mask::Causal{ul});
-        const Mat last = whole.bottomRows(1);
-        worst = std::max(worst, (logits - last).cwiseAbs().maxCoeff() / std::max(1.0, last.cwiseAbs().maxCoeff()));
+        steps.row(t) = ring ? model.decodeStep(next, cache, seq, sdpa::mask::SlidingWindow{cfg.seqLen - 1, 0, lr})
+                            : model.decodeStep(next, cache, seq, sdpa::mask::Causal{lr});
+      }
+      const Mat whole = recompute(tokens);
+      for (const Index t : {Index(0), prompt, Index(49), Index(127), Index(255), total - 1}) {
+        INFO("step " << t);
+        const std::vector<int> prefix(tokens.begin(), tokens.begin() + t + 1);
+        CHECK(relative(whole.row(t), recompute(prefix).bottomRows(1)) < 1e-12);
+      }
+      double worst = 0;
+      for (Index t = 0; t < total; ++t) {
+        worst = std::max(worst, relative(steps.row(t), whole.row(t)));
         Index a = 0, b = 0;
-        logits.row(0).maxCoeff(&a);
-        last.row(0).maxCoeff(&b);
+        steps.row(t).maxCoeff(&a);
+        whole.row(t).maxCoeff(&b);
+        INFO("step " << t);
         REQUIRE(a == b);  // the same greedy token
       }
       INFO("largest logit difference, relative: " << worst);
