@@ -103,15 +103,12 @@ class HeadTaus {
   /// `scale` must have been checked against `heads` (checkScaleHeads).
   template <typename Scale>
   HeadTaus(const Scale& scale, Index heads, Index dK) : m_size(heads) {
-    // Up to kInline heads without a heap allocation (an allocation-free call stays one).
-    if (heads > kInline) m_more.resize(size_t(heads));
-    FixedTau<S>* taus = heads > kInline ? m_more.data() : m_inline.data();
+    FixedTau<S>* taus = storage();
     for (Index h = 0; h < heads; ++h) taus[h] = {headScale(scale, h).template value<S>(dK)};
   }
   /// Heads [h0, h0 + count) of `all` (context parallelism's share of the heads).
   static HeadTaus subset(const HeadTaus& all, Index h0, Index count) {
-    HeadTaus part(all, h0, count, 0);
-    return part;
+    return HeadTaus(all, h0, count, 0);
   }
   Index size() const { return m_size; }
   const FixedTau<S>& head(Index h) const { return m_size > kInline ? m_more[size_t(h)] : m_inline[size_t(h)]; }
@@ -120,9 +117,15 @@ class HeadTaus {
  private:
   static constexpr Index kInline = 64;
   HeadTaus(const HeadTaus& all, Index h0, Index count, int /*subset*/) : m_size(count) {
-    if (count > kInline) m_more.resize(size_t(count));
-    FixedTau<S>* taus = count > kInline ? m_more.data() : m_inline.data();
+    FixedTau<S>* taus = storage();
     for (Index h = 0; h < count; ++h) taus[h] = all.head(h0 + h);
+  }
+  /// Room for m_size taus: up to kInline without a heap allocation (an allocation-free call
+  /// stays one).
+  FixedTau<S>* storage() {
+    if (m_size <= kInline) return m_inline.data();
+    m_more.resize(size_t(m_size));
+    return m_more.data();
   }
   Index m_size;
   std::array<FixedTau<S>, kInline> m_inline{};
