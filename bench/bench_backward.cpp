@@ -5,6 +5,9 @@
 //   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_backward
 #include <sdpa/sdpa.hpp>
 
+#include <map>
+#include <vector>
+
 #include "common.hpp"
 
 namespace {
@@ -44,8 +47,62 @@ void BM_BackwardBlocks(benchmark::State& state) {
   backward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)});
 }
 
+std::map<std::vector<Index>, double>& columnMajorSeconds() {
+  static std::map<std::vector<Index>, double> m;
+  return m;
+}
+
+/// Storage order: q, k, v and dO column-major (0) or row-major (1, numpy's and PyTorch's layout,
+/// read in place), into preallocated gradients; "xColumnMajor" is the row-major call's time over
+/// the column-major one's of the same shape in the same run. Peak memory of either (one process
+/// per filter): `/usr/bin/time -v build/bench/bench/bench_backward --benchmark_filter=...`.
+/// args: n, d, threads, rowMajor
+void BM_BackwardLayout(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(int(state.range(2)));
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::srand(7);
+  const Eigen::MatrixXf qc = Eigen::MatrixXf::Random(n, d), kc = Eigen::MatrixXf::Random(n, d),
+                        vc = Eigen::MatrixXf::Random(n, d), dOc = Eigen::MatrixXf::Random(n, d);
+  const auto fwd = sdpa::attentionForward(qc, kc, vc);
+  Eigen::MatrixXf dq(n, d), dk(n, d), dv(n, d);
+  const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& dO) {
+    const auto call = [&] {
+      sdpa::attentionBackwardInto(q, k, v, fwd.output, fwd.logSumExp, dO, dq, dk, dv, sdpa::scale::InvSqrtDk{});
+    };
+    call();
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) {
+      call();
+      benchmark::DoNotOptimize(dq.data());
+    }
+    return timer.seconds();
+  };
+  double seconds = 0;
+  if (state.range(3)) {
+    const RowMajor q = qc, k = kc, v = vc, dO = dOc;
+    seconds = run(q, k, v, dO);
+  } else {
+    seconds = run(qc, kc, vc, dOc);
+  }
+  state.counters["GFLOPS"] = benchmark::Counter(10.0 * double(n) * double(n) * double(d) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  if (state.iterations() == 0) return;
+  const std::vector<Index> key{n, d, state.range(2)};
+  const double perCall = seconds / double(state.iterations());
+  if (!state.range(3))
+    columnMajorSeconds()[key] = perCall;
+  else if (auto it = columnMajorSeconds().find(key); it != columnMajorSeconds().end())
+    state.counters["xColumnMajor"] = perCall / it->second;
+}
+
 }  // namespace
 
+BENCHMARK(BM_BackwardLayout)
+    ->ArgNames({"n", "d", "threads", "rowMajor"})
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_BackwardBlocks)
     ->ArgNames({"n", "d", "threads", "bq", "bk"})
     ->ArgsProduct({{2048}, {16, 64, 128}, {1}, {32, 64, 128, 256}, {64, 128, 256}})

@@ -307,6 +307,65 @@ TEMPLATE_TEST_CASE("multi-head, GQA and batched backward equal single-head backw
   }
 }
 
+TEST_CASE("row-major q, k, v and dO are read in place: the column-major gradients", "[backward][api][rowmajor]") {
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Index H = 4, G = 2, dK = 24, dV = 16, nQ = 150, nK = 300;
+  const Mat<float> q = randn<float>(nQ, H * dK, 1), k = randn<float>(nK, G * dK, 2), v = randn<float>(nK, G * dV, 3),
+                   dO = randn<float>(nQ, H * dV, 4);
+  const RowMat qr = q, kr = k, vr = v, dOr = dO;
+  const auto causal = mask::Causal{Align::LowerRight};
+  const sdpa::Heads heads{H, G};
+  {
+    INFO("GQA, causal: the fast kernel packs its tiles from either order, the same bits");
+    const OneThread one;
+    const auto fwd = sdpa::multiHeadAttentionForward(q, k, v, heads, scale::InvSqrtDk{}, causal);
+    const auto col = sdpa::multiHeadAttentionBackward(q, k, v, fwd, dO, heads, scale::InvSqrtDk{}, causal);
+    // Maps of row-major buffers, as numpy and PyTorch hand them over.
+    const Eigen::Map<const RowMat> qm(qr.data(), nQ, H * dK), km(kr.data(), nK, G * dK), vm(vr.data(), nK, G * dV),
+        dOm(dOr.data(), nQ, H * dV);
+    const auto row = sdpa::multiHeadAttentionBackward(qm, km, vm, fwd, dOm, heads, scale::InvSqrtDk{}, causal);
+    CHECK(row.dq == col.dq);
+    CHECK(row.dk == col.dk);
+    CHECK(row.dv == col.dv);
+    CHECK(row.dscale == col.dscale);
+    // Mixed storage orders are copied to column-major: the same call.
+    const auto mixed = sdpa::multiHeadAttentionBackward(qr, k, vr, fwd, dO, heads, scale::InvSqrtDk{}, causal);
+    CHECK(mixed.dq == col.dq);
+    CHECK(mixed.dk == col.dk);
+    // A key-count scale folds its row factors into a query of the inputs' order.
+    const auto logN = sdpa::multiHeadAttentionForward(q, k, v, heads, scale::LogN{}, causal);
+    const auto colN = sdpa::multiHeadAttentionBackward(q, k, v, logN, dO, heads, scale::LogN{}, causal);
+    const auto rowN = sdpa::multiHeadAttentionBackward(qr, kr, vr, logN, dOr, heads, scale::LogN{}, causal);
+    CHECK(rowN.dq == colN.dq);
+    CHECK(rowN.dk == colN.dk);
+    CHECK(rowN.dscale == colN.dscale);
+  }
+  {
+    INFO("one head, a softcap: the general tiles, each order within the FlashAttention rule");
+    // The general tiles' Eigen products may sum in another order for row-major operands: both
+    // results are held to the rule against the double reference (at most 2x the plain float
+    // computation's error, plus 8 ulps of the gradient's scale).
+    const auto m = mask::combine(mask::Softcap{5.0}, causal);
+    const Mat<float> q1 = q.leftCols(dK), k1 = k.leftCols(dK), v1 = v.leftCols(dV), dO1 = dO.leftCols(dV);
+    const auto fwd = sdpa::attentionForward(q1, k1, v1, scale::InvSqrtDk{}, m);
+    const auto col = sdpa::attentionBackward(q1, k1, v1, fwd, dO1, scale::InvSqrtDk{}, m);
+    // Blocks of the packed row-major inputs: read in place, with their row stride.
+    const auto row = sdpa::attentionBackward(qr.leftCols(dK), kr.leftCols(dK), vr.leftCols(dV), fwd, dOr.leftCols(dV),
+                                             scale::InvSqrtDk{}, m);
+    const Index off = nK - nQ;
+    const sdpa_test::VisibleFn vis = [&](Index i, Index j) { return j <= i + off; };
+    const sdpa_test::BiasFn none = [](Index, Index) { return 0.0L; };
+    const double tau = 1 / std::sqrt(double(dK));
+    const auto gold = sdpa_test::referenceBackward<double>(q1, k1, v1, dO1, tau, vis, none, 5.0);
+    const auto plain = sdpa_test::referenceBackward<float>(q1, k1, v1, dO1, tau, vis, none, 5.0);
+    for (const auto* g : {&col, &row}) {
+      CHECK(maxAbsDiff(g->dq, gold.dq) <= errorBound<float>(maxAbsDiff(plain.dq, gold.dq), maxAbs(gold.dq)));
+      CHECK(maxAbsDiff(g->dk, gold.dk) <= errorBound<float>(maxAbsDiff(plain.dk, gold.dk), maxAbs(gold.dk)));
+      CHECK(maxAbsDiff(g->dv, gold.dv) <= errorBound<float>(maxAbsDiff(plain.dv, gold.dv), maxAbs(gold.dv)));
+    }
+  }
+}
+
 TEST_CASE("dropout: keep rate 1 - p, the same mask in forward and backward, p = 0 is a no-op", "[backward][dropout]") {
   const sdpa::Dropout dropout{0.3, 1234};
   // Keep rate over 200 x 300 x 2 draws: binomial standard error sqrt(p (1 - p) / N) = 7.4e-4.

@@ -85,26 +85,32 @@ inline constexpr bool AccumulatesInto =
  * dq n_q x (H d_k), dk n_k x (H_kv d_k), dv n_k x (H_kv d_v), dscale H (dL/dtau_h, or dL/dc_h
  * for a key-count scale); dbias, if not null, shaped as the mask's Bias matrix.
  */
-template <typename Scalar, typename Kernel, typename Scale, typename Mask>
-void batchedBackwardInto(const Kernel& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                         const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout,
-                         const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
-                         const Dropout& dropout, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
-                         Eigen::Ref<Matrix<Scalar>> dv, Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
+/// View (withInputViews): q, k, v and dO read in place, all column-major (ConstRef) or all
+/// row-major (RowConstRef).
+template <typename Scalar, typename View = ConstRef<Scalar>, typename Kernel, typename Scale, typename Mask>
+void batchedBackwardInto(const Kernel& kern, const typename Identity<View>::type& q,
+                         const typename Identity<View>::type& k, const typename Identity<View>::type& v,
+                         const typename Identity<View>::type& dO, const BatchLayout& layout, const Heads& heads,
+                         const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
+                         Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
+                         Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
   if constexpr (scale::DependsOnKeyCount<Scale>) {
     // forward: tau_i q_i . k_j = tau_h (r_i q_i) . k_j with tau_h = c s(d_k)   =>   the gradients
     // of q' = r q and tau_h, then dq_i = r_i dq'_i and dL/dc = s(d_k) dL/dtau_h.
+    using QMatrix = std::conditional_t<std::is_same_v<View, ConstRef<Scalar>>, Matrix<Scalar>, RowMajorMatrix<Scalar>>;
     Matrix<double> factors;
-    const Matrix<Scalar> qs = rowScaledQuery<Scalar, Scale>(q, layout, heads, dims.dK, mask, factors);
-    batchedBackwardInto<Scalar>(kern, qs, k, v, dO, layout, heads, dims, HeadTaus<Scalar>(scale, heads.query, dims.dK),
-                                mask, dropout, dq, dk, dv, dscale, dbias);
+    const QMatrix qs = rowScaledQuery<Scalar, Scale, QMatrix>(q, layout, heads, dims.dK, mask, factors);
+    batchedBackwardInto<Scalar, View>(kern, View(qs), k, v, dO, layout, heads, dims,
+                                      HeadTaus<Scalar>(scale, heads.query, dims.dK), mask, dropout, dq, dk, dv, dscale,
+                                      dbias);
     scaleQueryGradient<Scalar>(dq, factors, dims.dK);
     using Policy = typename RowFactorPolicy<Scale>::type;
     dscale *= Scalar(Policy::valueSlope(dims.dK));
   } else {
     const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-      backwardTiled<Scalar>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale, dbias);
+      backwardTiled<Scalar, View>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale,
+                                  dbias);
     } else {  // an else, not an early return: a tiled call must not instantiate the naive kernel
       typename backward_naive_impl<Scalar>::Scratch scratch;
       Vector<double> dtau = Vector<double>::Zero(heads.query);
@@ -135,23 +141,42 @@ Shape shapeOf(const Eigen::MatrixBase<D>& x) {
 
 /// Every run-time check of a backward call; returns each head's d_k and d_v.
 template <typename Scalar, typename Scale, typename Mask>
-HeadDims checkBackward(const char* where, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                       const ConstRef<Scalar>& v, Shape o, Shape lse, const ConstRef<Scalar>& dO,
+HeadDims checkBackward(const char* where, Shape q, Shape k, Shape v, Shape o, Shape lse, Shape dO,
                        const BatchLayout& layout, const Heads& heads, const Scale& scale, const Mask& mask,
                        const Dropout& dropout) {
-  const HeadDims dims = checkBatch(where, q.rows(), q.cols(), k.rows(), k.cols(), v.rows(), v.cols(), layout, heads,
-                                   scale, mask, dropout);
-  checkBackwardInputs<Scalar>(where, q.rows(), heads.query * dims.dV, heads.query, o.rows, o.cols, lse.rows, lse.cols,
-                              dO.rows(), dO.cols());
+  const HeadDims dims =
+      checkBatch(where, q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, layout, heads, scale, mask, dropout);
+  checkBackwardInputs<Scalar>(where, q.rows, heads.query * dims.dV, heads.query, o.rows, o.cols, lse.rows, lse.cols,
+                              dO.rows, dO.cols);
   return dims;
 }
 
-template <typename Scalar, typename Kernel, typename Scale, typename Mask>
-MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
-                                           const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, Shape o, Shape lse,
-                                           const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
-                                           const Scale& scale, const Mask& mask, const Dropout& dropout) {
-  const HeadDims dims = checkBackward<Scalar>(where, q, k, v, o, lse, dO, layout, heads, scale, mask, dropout);
+/// batchedBackwardInto on q, k, v and dO read in place where they share a storage order
+/// (withInputViews), else on column-major copies.
+template <typename Scalar, typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask>
+void backwardOnViews(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& dO, const BatchLayout& layout,
+                     const Heads& heads, const HeadDims& dims, const Scale& scale, const Mask& mask,
+                     const Dropout& dropout, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
+                     Eigen::Ref<Matrix<Scalar>> dv, Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
+  withInputViews<Scalar>(
+      [&](const auto& qv, const auto& kv, const auto& vv, const auto& dOv) {
+        batchedBackwardInto<Scalar, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, dOv, layout, heads, dims, scale, mask,
+                                                                dropout, dq, dk, dv, dscale, dbias);
+      },
+      q, k, v, dO);
+}
+
+template <typename Scalar, typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask>
+MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                           const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Shape o,
+                                           Shape lse, const Eigen::MatrixBase<DO>& dO, const BatchLayout& layout,
+                                           const Heads& heads, const Scale& scale, const Mask& mask,
+                                           const Dropout& dropout) {
+  const HeadDims dims = checkBackward<Scalar>(where, shapeOf(q), shapeOf(k), shapeOf(v), o, lse, shapeOf(dO), layout,
+                                              heads, scale, mask, dropout);
   MultiHeadGradients<Scalar> g{Matrix<Scalar>::Zero(q.rows(), q.cols()),
                                Matrix<Scalar>::Zero(k.rows(), k.cols()),
                                Matrix<Scalar>::Zero(v.rows(), v.cols()),
@@ -159,18 +184,18 @@ MultiHeadGradients<Scalar> batchedBackward(const char* where, const Kernel& kern
                                {}};
   const std::pair<Index, Index> biasShape = mask::internal::biasMatrixShape(mask);
   if (biasShape.first >= 0) g.dbias.setZero(biasShape.first, biasShape.second);
-  batchedBackwardInto<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, g.dq, g.dk, g.dv, g.dscale,
-                              biasShape.first >= 0 ? &g.dbias : nullptr);
+  backwardOnViews<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, g.dq, g.dk, g.dv, g.dscale,
+                          biasShape.first >= 0 ? &g.dbias : nullptr);
   return g;
 }
 
 /// The backward into the caller's gradients (checked, then zeroed); the bias gradient is not
 /// computed.
-template <typename Scalar, typename Kernel, typename Scale, typename Mask, typename DDq, typename DDk, typename DDv,
-          typename DDs>
-void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const ConstRef<Scalar>& q,
-                                const ConstRef<Scalar>& k, const ConstRef<Scalar>& v, Shape o, Shape lse,
-                                const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
+template <typename Scalar, typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
+          typename Mask, typename DDq, typename DDk, typename DDv, typename DDs>
+void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const Eigen::MatrixBase<DQ>& q,
+                                const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, Shape o, Shape lse,
+                                const Eigen::MatrixBase<DO>& dO, const BatchLayout& layout, const Heads& heads,
                                 const Scale& scale, const Mask& mask, const Dropout& dropout,
                                 const Eigen::MatrixBase<DDq>& dq, const Eigen::MatrixBase<DDk>& dk,
                                 const Eigen::MatrixBase<DDv>& dv, const Eigen::MatrixBase<DDs>& dscale) {
@@ -180,7 +205,8 @@ void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const Con
   SDPA_STATIC_ASSERT((std::is_same_v<typename DDq::Scalar, Scalar> && std::is_same_v<typename DDk::Scalar, Scalar> &&
                       std::is_same_v<typename DDv::Scalar, Scalar> && std::is_same_v<typename DDs::Scalar, Scalar>),
                      THE_GRADIENTS_MUST_HAVE_THE_SCALAR_TYPE_OF_THE_INPUTS);
-  const HeadDims dims = checkBackward<Scalar>(where, q, k, v, o, lse, dO, layout, heads, scale, mask, dropout);
+  const HeadDims dims = checkBackward<Scalar>(where, shapeOf(q), shapeOf(k), shapeOf(v), o, lse, shapeOf(dO), layout,
+                                              heads, scale, mask, dropout);
   checkOutputShape(where, "dq", dq.rows(), dq.cols(), q.rows(), q.cols());
   checkOutputShape(where, "dk", dk.rows(), dk.cols(), k.rows(), k.cols());
   checkOutputShape(where, "dv", dv.rows(), dv.cols(), v.rows(), v.cols());
@@ -192,8 +218,7 @@ void batchedBackwardIntoChecked(const char* where, const Kernel& kern, const Con
   dkR.setZero();
   dvR.setZero();
   dsR.setZero();
-  batchedBackwardInto<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, dqR, dkR, dvR, dsR,
-                              nullptr);
+  backwardOnViews<Scalar>(kern, q, k, v, dO, layout, heads, dims, scale, mask, dropout, dqR, dkR, dvR, dsR, nullptr);
 }
 
 template <typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale, typename Mask>

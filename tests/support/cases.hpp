@@ -147,4 +147,15 @@ void checkForward(const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale
   checkForwardWith<T>(sdpa::kernel::Tiled{}, q, k, v, scale, mask, tau, visible, bias, softcap);
 }
 
+/// One thread for the scope: which worker runs which unit then never changes from call to call.
+/// With several, a worker's scratch grows on the first call it takes part in (allocation
+/// counts), and the backward's dk and dv are sums of per-thread shares whose split varies (bits).
+struct OneThread {
+  int saved = Eigen::nbThreads();
+  OneThread() { Eigen::setNbThreads(1); }
+  ~OneThread() { Eigen::setNbThreads(saved); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+};
+
 }  // namespace sdpa_test

@@ -14,24 +14,34 @@
 namespace sdpa::internal {
 namespace fast {
 
+/// A float matrix read in place: entry (i, c) at data[i row + c col] (column-major: row = 1,
+/// col = the column stride; row-major: the reverse).
+struct StridedInput {
+  const float* data;
+  Index row, col;
+  const float* at(Index i, Index c) const { return data + i * row + c * col; }
+};
+
+/// An Eigen view (a column- or row-major Ref) as a StridedInput from its entry (i, c).
+template <typename View>
+StridedInput stridedInput(const View& x, Index i, Index c) {
+  return {x.data() + i * x.rowStride() + c * x.colStride(), x.rowStride(), x.colStride()};
+}
+
 /**
- * One head of an fp32 backward for the fast path (backwardBlock): column-major q (n_q x d_k),
- * k (n_k x d_k), v (n_k x d_v), dO (n_q x d_v) with their column strides; the item's mask (one
- * that only hides), the query head and its scale tau != 0.
+ * One head of an fp32 backward for the fast path (backwardBlock): q (n_q x d_k) and dO
+ * (n_q x d_v) read in place, in either storage order; the item's mask (one that only hides),
+ * the query head and its scale tau != 0.
  */
 template <typename Mask>
 struct BackwardHead {
-  const float* q;
-  const float* k;
-  const float* v;
-  const float* dO;
-  Index ldq, ldk, ldv, ldO;
+  StridedInput q, dO;
   Index nQ, nK, dK, dV;
   const Mask& mask;
   Index head;
   float tau;
   /// k and v in tiles of bk keys as the products read them, tile j0 at packed + j0 (2 d_k + d_v)
-  /// (packBackwardHead): k's keys, v's keys, k's columns.
+  /// (packBackwardTile): k's keys, v's keys, k's columns.
   const float* packed;
   Index bk;
 };
@@ -126,18 +136,20 @@ double backwardBlock(const BackwardHead<Mask>& h, Index i0, Index bq, bool base2
 /// Floats BackwardHead::packed takes for n_k keys.
 inline Index packedHeadFloats(Index nK, Index dK, Index dV) { return nK * (2 * dK + dV); }
 
-/// The tile [j0, j0 + bk) of a kv head's packing (BackwardHead::packed), k and v column-major.
-inline void packBackwardTile(const float* k, Index ldk, const float* v, Index ldv, Index nK, Index dK, Index dV,
-                             Index j0, Index bk, float* packed) {
+/// The tile [j0, j0 + bk) of a kv head's packing (BackwardHead::packed) from its k (n_k x d_k)
+/// and v (n_k x d_v), in either storage order.
+inline void packBackwardTile(StridedInput k, StridedInput v, Index nK, Index dK, Index dV, Index j0, Index bk,
+                             float* packed) {
 #if SDPA_HAS_ISA_DISPATCH
   const Index cols = std::min(bk, nK - j0);
   float* out = packed + j0 * (2 * dK + dV);
+  const StridedInput kt{k.at(j0, 0), k.row, k.col}, vt{v.at(j0, 0), v.row, v.col};
   if (IsaChoice::current() >= Isa::Avx512)
-    avx512::packBackwardTile(k + j0, ldk, v + j0, ldv, cols, dK, dV, out);
+    avx512::packBackwardTile(kt, vt, cols, dK, dV, out);
   else
-    avx2::packBackwardTile(k + j0, ldk, v + j0, ldv, cols, dK, dV, out);
+    avx2::packBackwardTile(kt, vt, cols, dK, dV, out);
 #else
-  (void)k, (void)ldk, (void)v, (void)ldv, (void)nK, (void)dK, (void)dV, (void)j0, (void)bk, (void)packed;
+  (void)k, (void)v, (void)nK, (void)dK, (void)dV, (void)j0, (void)bk, (void)packed;
 #endif
 }
 

@@ -48,11 +48,14 @@ struct backward_tiled_impl {
   }
 
   /// Everything a tile needs besides its position. q, qs (tau q or q: foldsScaleIntoQuery), k, v,
-  /// dO are the head's blocks; finite says q, k, v and dO hold no NaN or inf (plain products, no
-  /// zero-skipping).
-  template <typename Mask>
+  /// dO are the head's blocks, q, k, v and dO read in place through View (column-major ConstRef
+  /// or row-major RowConstRef), qs built by the call (column-major); finite says q, k, v and dO
+  /// hold no NaN or inf (plain products, no zero-skipping).
+  template <typename Mask, typename View = ConstRef<Scalar>>
   struct Head {
-    ConstRef<Scalar> q, qs, k, v, dO;
+    View q;
+    ConstRef<Scalar> qs;
+    View k, v, dO;
     const Mask& mask;
     Scalar tau, cap;         // the head's scale; the softcap, 0 for none
     Index head, row0, col0;  // query head; position of the item in the packed batch (dropout)
@@ -83,8 +86,8 @@ struct backward_tiled_impl {
   /// forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y)). x (bq x bk) becomes L and, if
   /// the head keeps it, y becomes Y. Both passes of the backward compute logits here alone, so
   /// that they are bitwise the same. qs is tau q for |tau| <= 1, else q (as in the forward).
-  template <typename Mask>
-  static void logits(const Head<Mask>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
+  template <typename Mask, typename View>
+  static void logits(const Head<Mask, View>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
                      TileMap& y) {
     x.noalias() = h.qs.middleRows(i0, bq) * h.k.middleRows(j0, bk).transpose();
     if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;
@@ -93,8 +96,8 @@ struct backward_tiled_impl {
   }
 
   /// forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
-  template <typename Mask>
-  static void valueGradient(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
+  template <typename Mask, typename View>
+  static void valueGradient(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
                             TileMap& dp) {
     dp.noalias() = h.dO.middleRows(i0, bq) * h.v.middleRows(j0, bk).transpose();
     if (dropout.enabled()) {
@@ -121,8 +124,8 @@ struct backward_tiled_impl {
    * the mask does not hide, with L, Y and dP of the tile: computed here when `compute` or when
    * the tiles are not cached, else as the cache holds them.
    */
-  template <typename Mask, typename F>
-  static void forEachTile(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
+  template <typename Mask, typename View, typename F>
+  static void forEachTile(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
                           const Tiles& tiles, bool compute, Scratch& sc, F&& f) {
     const Index nQ = h.q.rows(), nK = h.k.rows();
     const bool keepY = h.keepY();
@@ -152,8 +155,8 @@ struct backward_tiled_impl {
    * large logit), where a plain computation, summing the same dP it subtracts from, cancels
    * exactly (NUMERICS.md).
    */
-  template <typename Mask>
-  static void firstPass(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+  template <typename Mask, typename View>
+  static void firstPass(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
                         const Tiles& tiles, Scratch& sc) {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
@@ -256,8 +259,8 @@ struct backward_tiled_impl {
   }
 
   /// The first pass and its final rows, with the rare recomputation of D below.
-  template <typename Mask>
-  static void rowPass(const Head<Mask>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+  template <typename Mask, typename View>
+  static void rowPass(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
                       const Tiles& tiles, Scratch& sc) {
     firstPass(h, dropout, i0, bq, tileK, rows, tiles, sc);
     finishRows(rows, i0, bq, h.cap);
@@ -289,8 +292,8 @@ struct backward_tiled_impl {
    * dP finite: the first pass's finding), so that plain products may read them and dP - D cannot
    * overflow at a key of weight 0. Each step quotes the forward line it differentiates.
    */
-  template <typename Mask, typename DQ, typename DK, typename DV>
-  static double tile(const Head<Mask>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
+  template <typename Mask, typename View, typename DQ, typename DK, typename DV>
+  static double tile(const Head<Mask, View>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
                      Index bk, bool finite, TileMap& x, TileMap& y, TileMap& dp, const Eigen::MatrixBase<DQ>& dq_,
                      const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
                      Scratch& sc) {
@@ -425,38 +428,45 @@ struct BackwardRows {
   void* stats = nullptr;
 };
 
-template <typename Scalar, typename Mask>
-void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const ConstRef<Scalar>& k,
-                   const ConstRef<Scalar>& v, const ConstRef<Scalar>& dO, const BatchLayout& layout, const Heads& heads,
+template <typename Scalar, typename View = ConstRef<Scalar>, typename Mask>
+void backwardTiled(const kernel::Tiled& kern, const typename Identity<View>::type& q,
+                   const typename Identity<View>::type& k, const typename Identity<View>::type& v,
+                   const typename Identity<View>::type& dO, const BatchLayout& layout, const Heads& heads,
                    const HeadDims& dims, const HeadTaus<Scalar>& taus, const Mask& mask, const Dropout& dropout,
                    Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
                    Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
-    // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
-    // behaviour, so run with one zero column and drop its gradient. d_k = 0: the logits are 0
-    // either way and dtau = sum dY X = 0. d_v = 0: a zero dO gives dP = 0 and D = 0, so every
-    // gradient is 0, as it is for a loss that cannot depend on an empty output.
-    Matrix<Scalar> q1, k1, dq1, dk1, v1, dO1, dv1;  // (degenerate shapes only: these allocate)
-    if (dims.dK == 0) {
-      q1.setZero(q.rows(), heads.query);
-      k1.setZero(k.rows(), heads.keyValue);
-      dq1.setZero(q.rows(), heads.query);
-      dk1.setZero(k.rows(), heads.keyValue);
+    if constexpr (!std::is_same_v<View, ConstRef<Scalar>>) {  // no data to read in place: the column-major route
+      backwardTiled<Scalar>(kern, ConstRef<Scalar>(q), ConstRef<Scalar>(k), ConstRef<Scalar>(v), ConstRef<Scalar>(dO),
+                            layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale, dbias, from);
+      return;
+    } else {
+      // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
+      // behaviour, so run with one zero column and drop its gradient. d_k = 0: the logits are 0
+      // either way and dtau = sum dY X = 0. d_v = 0: a zero dO gives dP = 0 and D = 0, so every
+      // gradient is 0, as it is for a loss that cannot depend on an empty output.
+      Matrix<Scalar> q1, k1, dq1, dk1, v1, dO1, dv1;  // (degenerate shapes only: these allocate)
+      if (dims.dK == 0) {
+        q1.setZero(q.rows(), heads.query);
+        k1.setZero(k.rows(), heads.keyValue);
+        dq1.setZero(q.rows(), heads.query);
+        dk1.setZero(k.rows(), heads.keyValue);
+      }
+      if (dims.dV == 0) {
+        v1.setZero(v.rows(), heads.keyValue);
+        dO1.setZero(dO.rows(), heads.query);
+        dv1.setZero(v.rows(), heads.keyValue);
+      }
+      const bool noK = dims.dK == 0;
+      const bool noV = dims.dV == 0;
+      backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
+                            noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
+                            HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
+                            noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
+                            noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
+      return;
     }
-    if (dims.dV == 0) {
-      v1.setZero(v.rows(), heads.keyValue);
-      dO1.setZero(dO.rows(), heads.query);
-      dv1.setZero(v.rows(), heads.keyValue);
-    }
-    const bool noK = dims.dK == 0;
-    const bool noV = dims.dV == 0;
-    backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
-                          noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
-                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
-                          noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
-                          noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
-    return;
   }
   const TileSizes tile = backwardTileSizes(kern, dims.dK, dims.dV);
   const Index H = heads.query;
@@ -563,9 +573,9 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
     if constexpr (std::is_same_v<Scalar, float>)
       parallelFor(Index(packs.size()), int(std::min<Index>(maxThreads(), Index(packs.size()))), [&](Index w) {
         const ItemHead& u = pairs[size_t(packs[size_t(w)].first)];
-        fast::packBackwardTile(k.data() + u.k0 + u.kvHead * dims.dK * k.outerStride(), k.outerStride(),
-                               v.data() + u.k0 + u.kvHead * dims.dV * v.outerStride(), v.outerStride(), u.nK, dims.dK,
-                               dims.dV, packs[size_t(w)].second, fastK, packed + at[size_t(packs[size_t(w)].first)]);
+        fast::packBackwardTile(fast::stridedInput(k, u.k0, u.kvHead * dims.dK),
+                               fast::stridedInput(v, u.k0, u.kvHead * dims.dV), u.nK, dims.dK, dims.dV,
+                               packs[size_t(w)].second, fastK, packed + at[size_t(packs[size_t(w)].first)]);
       });
   }
 
@@ -573,19 +583,20 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
   const auto withHead = [&](const ItemHead& u, const auto& f) {
     const auto m = itemMask(mask, u);
     const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
-    const typename Impl::template Head<std::decay_t<decltype(m)>> hd{q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-                                                                     qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
-                                                                     k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
-                                                                     v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
-                                                                     dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
-                                                                     m,
-                                                                     taus.tau(u.head),
-                                                                     cap,
-                                                                     u.head,
-                                                                     u.q0,
-                                                                     u.k0,
-                                                                     dbiasRow0,
-                                                                     finite};
+    const typename Impl::template Head<std::decay_t<decltype(m)>, View> hd{
+        q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+        qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
+        k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
+        v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV),
+        dO.block(u.q0, u.head * dims.dV, u.nQ, dims.dV),
+        m,
+        taus.tau(u.head),
+        cap,
+        u.head,
+        u.q0,
+        u.k0,
+        dbiasRow0,
+        finite};
     f(hd);
   };
   // Rows of every (item, head): the softmax of each row and the centre of its dtau sum.
@@ -644,14 +655,8 @@ void backwardTiled(const kernel::Tiled& kern, const ConstRef<Scalar>& q, const C
         }
         const auto m = itemMask(mask, u);
         const Index dK = dims.dK, dV = dims.dV;
-        const fast::BackwardHead<std::decay_t<decltype(m)>> hd{q.data() + u.q0 + u.head * dK * q.outerStride(),
-                                                               k.data() + u.k0 + u.kvHead * dK * k.outerStride(),
-                                                               v.data() + u.k0 + u.kvHead * dV * v.outerStride(),
-                                                               dO.data() + u.q0 + u.head * dV * dO.outerStride(),
-                                                               q.outerStride(),
-                                                               k.outerStride(),
-                                                               v.outerStride(),
-                                                               dO.outerStride(),
+        const fast::BackwardHead<std::decay_t<decltype(m)>> hd{fast::stridedInput(q, u.q0, u.head * dK),
+                                                               fast::stridedInput(dO, u.q0, u.head * dV),
                                                                u.nQ,
                                                                u.nK,
                                                                dK,

@@ -171,10 +171,12 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
       const std::vector<RowStats*> rows =
           sink ? startSink<Acc>(*sink, q, k, heads, dims.dK, taus) : std::vector<RowStats*>{};
-      withInputViews<In>(q, k, v, [&](const auto& qv, const auto& kv, const auto& vv) {
-        forwardTiled<In, Out, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, layout, heads, dims, taus, mask, dropout,
-                                                          out, lse, sink ? rows.data() : nullptr);
-      });
+      withInputViews<In>(
+          [&](const auto& qv, const auto& kv, const auto& vv) {
+            forwardTiled<In, Out, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, layout, heads, dims, taus, mask,
+                                                              dropout, out, lse, sink ? rows.data() : nullptr);
+          },
+          q, k, v);
     } else if constexpr (std::is_same_v<Out, Acc>) {
       multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                             mask, dropout, layout, out, lse, sink);

@@ -598,17 +598,16 @@ inline constexpr bool IsRowMajorInput =
     bool(D::Flags& Eigen::RowMajorBit) && D::RowsAtCompileTime != 1 && D::ColsAtCompileTime != 1;
 
 /**
- * f(q, k, v) on views the tiled forward reads in place: row-major views (RowConstRef) where all
- * three are stored row by row, else column-major ones (ConstRef, which copies a row-major one).
- * Either way no input is copied whole when the three share their storage order.
+ * f(x...) on views the tiled kernels read in place: row-major views (RowConstRef) where every
+ * input is stored row by row, else column-major ones (ConstRef, which copies a row-major one).
+ * Either way no input is copied whole when all share their storage order.
  */
-template <typename In, typename DQ, typename DK, typename DV, typename F>
-void withInputViews(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                    F&& f) {
-  if constexpr (IsRowMajorInput<DQ> && IsRowMajorInput<DK> && IsRowMajorInput<DV>)
-    f(RowConstRef<In>(q), RowConstRef<In>(k), RowConstRef<In>(v));
+template <typename In, typename F, typename... D>
+void withInputViews(F&& f, const Eigen::MatrixBase<D>&... x) {
+  if constexpr ((IsRowMajorInput<D> && ...))
+    f(RowConstRef<In>(x)...);
   else
-    f(ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v));
+    f(ConstRef<In>(x)...);
 }
 
 template <typename T>

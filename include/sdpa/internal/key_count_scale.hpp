@@ -57,19 +57,19 @@ Index visibleKeys(const Mask& m, Index i, Index nQ, Index nK, Index head, Index 
  * q' = r q for every (item, head) of a packed batch: row i of head h scaled by
  * r(n_i) = Policy::rowFactor(visible keys of row i under the item's mask for head h, from key
  * firstKey on), computed in double and rounded once to S. factors (n_q x H) receives r. q is
- * n_q x (H d_k).
+ * n_q x (H d_k); q' a Result (a column- or row-major matrix of S).
  */
-template <typename S, typename Scale, typename DQ, typename Mask>
-Matrix<S> rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layout, const Heads& heads, Index dK,
-                         const Mask& mask, Matrix<double>& factors, Index firstKey = 0) {
+template <typename S, typename Scale, typename Result = Matrix<S>, typename DQ, typename Mask>
+Result rowScaledQuery(const Eigen::MatrixBase<DQ>& q, const BatchLayout& layout, const Heads& heads, Index dK,
+                      const Mask& mask, Matrix<double>& factors, Index firstKey = 0) {
   using Policy = typename RowFactorPolicy<std::decay_t<Scale>>::type;
-  Matrix<S> qs(q.rows(), q.cols());
+  Result qs(q.rows(), q.cols());
   factors.setZero(q.rows(), heads.query);
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     const auto m = itemMask(mask, u);
     for (Index i = 0; i < u.nQ; ++i)
       factors(u.q0 + i, u.head) = Policy::rowFactor(visibleKeys(m, i, u.nQ, u.nK, u.head, firstKey));
-    for (Index c = 0; c < dK; ++c)  // column by column: qs is column-major
+    for (Index c = 0; c < dK; ++c)
       for (Index i = 0; i < u.nQ; ++i)
         qs(u.q0 + i, u.head * dK + c) =
             S(factors(u.q0 + i, u.head) * double(Accumulator<typename DQ::Scalar>(q(u.q0 + i, u.head * dK + c))));
