@@ -13,6 +13,7 @@ Python's standard library only.
 """
 import argparse
 import difflib
+import functools
 import os
 import re
 import subprocess
@@ -34,16 +35,22 @@ EXCERPTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def run(argv):
+    """A command's output lines, each command run once (the demo serves two excerpts: under the
+    sanitizers of the test build it takes half a minute)."""
+    r = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode not in (0, 1):  # sdpa_check exits 1 on warnings
+        sys.exit(f"readme_excerpts: {' '.join(argv)} failed ({r.returncode}):\n{r.stderr}")
+    return r.stdout.splitlines()
+
+
 def output(name, build):
     command, keep = EXCERPTS[name]
     paths = {"check": os.path.join(build, "tools", "sdpa_check"),
              "demo": os.path.join(build, "examples", "scaling_demo"),
              "npy": os.path.join(build, "tests", "npy"), "data": os.path.join(ROOT, "tests", "data")}
-    argv = [c.format(**paths) for c in command]
-    r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if r.returncode not in (0, 1):  # sdpa_check exits 1 on warnings
-        sys.exit(f"readme_excerpts: {' '.join(argv)} failed ({r.returncode}):\n{r.stderr}")
-    lines = r.stdout.splitlines()
+    lines = run(tuple(c.format(**paths) for c in command))
     if keep:
         lines = [l for l in lines if re.search(keep, l)]
     return [l.rstrip() for l in lines]
