@@ -42,7 +42,7 @@ struct backward_naive_impl {
     s.x.noalias() = q * k.transpose();
     s.p = s.x;
     if (tau != Scalar(1)) s.p *= tau;
-    if constexpr (!Mask::IsNone) mask.apply(s.p, 0, 0, nQ, nK, head);
+    mask.apply(s.p, 0, 0, nQ, nK, head);
 
     // dL_ij/dtau = X_ij softcap'(Y_ij), the factor dL/dtau sums against dL (below).
     // A saturated softcap (slope 0, also at X = +-inf) has factor 0, the limit, not inf * 0.

@@ -559,7 +559,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   Index* keyEnd = sc.keyEnd.get(groups);
   for (Index j0 = 0; j0 < nK; j0 += bk) {
     const Index cols = std::min(bk, nK - j0);
-    const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
+    const mask::Tile t = mask.classify(i0, bq, j0, cols, nQ, nK, head);
     if (t == mask::Tile::Hidden) continue;
     const bool ranged = t == mask::Tile::Partial;
     if (ranged) groupKeyRanges(mask, i0, bq, j0, cols, nQ, nK, head, group, groups, keyBegin, keyEnd);

@@ -360,8 +360,7 @@ struct forward_tiled_impl {
       Index R = 0;
       for (Index m = 0; m < count; ++m) {
         const auto& u = members[m];
-        const mask::Tile t =
-            Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, u.q.rows(), nK, u.head);
+        const mask::Tile t = mask.classify(i0, bq, j0, cols, u.q.rows(), nK, u.head);
         sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
         if (t == mask::Tile::Hidden) continue;
         TileMap s(sAll + m * bq * chunk, bq, cols);
@@ -487,7 +486,7 @@ struct forward_tiled_impl {
     const Index chunk = decode ? decodeKeys(dK, dV) : bk;
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
-      const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, j0, cols, nQ, nK, head);
+      const mask::Tile t = mask.classify(i0, bq, j0, cols, nQ, nK, head);
       if (t == mask::Tile::Hidden) continue;
       TileMap s(sc.s.get(bq * chunk), bq, cols);
       if (decode) {
@@ -743,14 +742,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
           const Index blocks = (u.nQ + bq - 1) / bq;
           for (Index b = 0; b < blocks; ++b) {
             const Index i0 = (Mask::IsNone ? b : blocks - 1 - b) * bq, rows = std::min(bq, u.nQ - i0);
-            double keys = double(u.nK);
-            if constexpr (!std::decay_t<decltype(m)>::IsNone) {
-              keys = 0.0;
-              for (Index j0 = 0; j0 < u.nK; j0 += fastTile.k) {
-                const Index cols = std::min(fastTile.k, u.nK - j0);
-                const mask::Tile t = m.classify(i0, rows, j0, cols, u.nQ, u.nK, u.head);
-                keys += t == mask::Tile::Visible ? double(cols) : t == mask::Tile::Partial ? 0.5 * double(cols) : 0.0;
-              }
+            double keys = 0.0;
+            for (Index j0 = 0; j0 < u.nK; j0 += fastTile.k) {
+              const Index cols = std::min(fastTile.k, u.nK - j0);
+              const mask::Tile t = m.classify(i0, rows, j0, cols, u.nQ, u.nK, u.head);
+              keys += t == mask::Tile::Visible ? double(cols) : t == mask::Tile::Partial ? 0.5 * double(cols) : 0.0;
             }
             *std::min_element(load.begin(), end) += double(rows) * keys;
           }
