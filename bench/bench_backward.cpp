@@ -5,9 +5,6 @@
 //   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_backward
 #include <sdpa/sdpa.hpp>
 
-#include <map>
-#include <vector>
-
 #include "common.hpp"
 
 namespace {
@@ -47,11 +44,6 @@ void BM_BackwardBlocks(benchmark::State& state) {
   backward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)});
 }
 
-std::map<std::vector<Index>, double>& columnMajorSeconds() {
-  static std::map<std::vector<Index>, double> m;
-  return m;
-}
-
 /// Storage order: q, k, v and dO column-major (0) or row-major (1, numpy's and PyTorch's layout,
 /// read in place), into preallocated gradients; "xColumnMajor" is the row-major call's time over
 /// the column-major one's of the same shape in the same run. Peak memory of either (one process
@@ -87,13 +79,7 @@ void BM_BackwardLayout(benchmark::State& state) {
   }
   state.counters["GFLOPS"] = benchmark::Counter(10.0 * double(n) * double(n) * double(d) * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
-  if (state.iterations() == 0) return;
-  const std::vector<Index> key{n, d, state.range(2)};
-  const double perCall = seconds / double(state.iterations());
-  if (!state.range(3))
-    columnMajorSeconds()[key] = perCall;
-  else if (auto it = columnMajorSeconds().find(key); it != columnMajorSeconds().end())
-    state.counters["xColumnMajor"] = perCall / it->second;
+  sdpa_bench::reportLayoutRatio(state, seconds);
 }
 
 }  // namespace

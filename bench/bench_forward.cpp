@@ -10,9 +10,6 @@
 // products run in OpenBLAS (its SGEMM is then also the "xSGEMM" ceiling).
 #include <sdpa/sdpa.hpp>
 
-#include <map>
-#include <vector>
-
 #include "common.hpp"
 
 namespace {
@@ -184,11 +181,6 @@ void BM_ForwardSink(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
-std::map<std::vector<Index>, double>& columnMajorSeconds() {
-  static std::map<std::vector<Index>, double> m;
-  return m;
-}
-
 /// Storage order: q, k, v column-major (0) or row-major (1, numpy's and PyTorch's layout, read in
 /// place), into preallocated outputs; "xColumnMajor" is the row-major call's time over the
 /// column-major one's of the same shape in the same run. Peak memory of either (one process per
@@ -218,13 +210,7 @@ void BM_ForwardLayout(benchmark::State& state) {
     seconds = run(q, k, v);
   }
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), seconds, n, n, d);
-  if (state.iterations() == 0) return;
-  const std::vector<Index> key{n, d, state.range(2)};
-  const double perCall = seconds / double(state.iterations());
-  if (!state.range(3))
-    columnMajorSeconds()[key] = perCall;
-  else if (auto it = columnMajorSeconds().find(key); it != columnMajorSeconds().end())
-    state.counters["xColumnMajor"] = perCall / it->second;
+  sdpa_bench::reportLayoutRatio(state, seconds);
 }
 
 void sweep(benchmark::internal::Benchmark* b) {

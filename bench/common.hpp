@@ -204,6 +204,22 @@ inline double bf16DotPeakGflops() {
   return cached;
 }
 
+/**
+ * The storage-order benchmarks' "xColumnMajor" (BM_ForwardLayout, BM_BackwardLayout; args n, d,
+ * threads, rowMajor): the column-major run of a shape, registered first, records its time per
+ * call; the row-major run of the same shape reports its own time over it.
+ */
+inline void reportLayoutRatio(benchmark::State& state, double seconds) {
+  static std::map<std::vector<Index>, double> columnMajor;
+  if (state.iterations() == 0) return;
+  const std::vector<Index> key{state.range(0), state.range(1), state.range(2)};
+  const double perCall = seconds / double(state.iterations());
+  if (!state.range(3))
+    columnMajor[key] = perCall;
+  else if (auto it = columnMajor.find(key); it != columnMajor.end())
+    state.counters["xColumnMajor"] = perCall / it->second;
+}
+
 inline void reportFlops(benchmark::State& state, double flops, double seconds, Index nQ, Index nK, Index d) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   if (state.iterations() == 0 || seconds <= 0) return;
