@@ -107,9 +107,7 @@ class HeadTaus {
     for (Index h = 0; h < heads; ++h) taus[h] = {headScale(scale, h).template value<S>(dK)};
   }
   /// Heads [h0, h0 + count) of `all` (context parallelism's share of the heads).
-  static HeadTaus subset(const HeadTaus& all, Index h0, Index count) {
-    return HeadTaus(all, h0, count, 0);
-  }
+  static HeadTaus subset(const HeadTaus& all, Index h0, Index count) { return HeadTaus(all, h0, count, 0); }
   Index size() const { return m_size; }
   const FixedTau<S>& head(Index h) const { return m_size > kInline ? m_more[size_t(h)] : m_inline[size_t(h)]; }
   S tau(Index h) const { return head(h).tau; }
