@@ -274,9 +274,10 @@ void ringTurn(const Call& c, const Ring& ring, const Matrix<Scalar>& own, bool g
   const auto n = [&](int b) { return mpi::count(c.where, rowsOf(b) * cols); };
   const auto ok = [&](int code, const char* call) { mpi::check(code, c.where, call); };
   Matrix<Scalar> received[2], part[2], incoming[2];
+  // partSent[i]: the send of part[i], passed on or home, waited before part[i] is reused.
   MPI_Request partSent[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   MPI_Request incomingReq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  MPI_Request homeReq = MPI_REQUEST_NULL, homeSent = MPI_REQUEST_NULL;
+  MPI_Request homeReq = MPI_REQUEST_NULL;
   if (gradients) {
     ownGrad->setZero(rowsOf(r), cols);
     const int reach = ring.reach[size_t(r)];
@@ -319,7 +320,7 @@ void ringTurn(const Call& c, const Ring& ring, const Matrix<Scalar>& own, bool g
         if (s + 1 < ring.reach[size_t(b)])
           ok(MPI_Isend(mine->data(), n(b), type, next, 3 * b + 1, c.comm, &partSent[s % 2]), "MPI_Isend");
         else if (b != r)
-          ok(MPI_Isend(mine->data(), n(b), type, b, 3 * b + 2, c.comm, &homeSent), "MPI_Isend");
+          ok(MPI_Isend(mine->data(), n(b), type, b, 3 * b + 2, c.comm, &partSent[s % 2]), "MPI_Isend");
         else
           *ownGrad = *mine;
       }
@@ -327,9 +328,8 @@ void ringTurn(const Call& c, const Ring& ring, const Matrix<Scalar>& own, bool g
     ok(MPI_Waitall(2, kv, MPI_STATUSES_IGNORE), "MPI_Waitall");
     if (holdsNext) current = into.data();
   }
-  // The last holder of a block sends it home once; keep part[] alive until then.
+  // part[] stays alive until its last sends (passed on or home) are done.
   ok(MPI_Waitall(2, partSent, MPI_STATUSES_IGNORE), "MPI_Waitall");
-  ok(MPI_Wait(&homeSent, MPI_STATUS_IGNORE), "MPI_Wait");
   ok(MPI_Wait(&homeReq, MPI_STATUS_IGNORE), "MPI_Wait");
 }
 
