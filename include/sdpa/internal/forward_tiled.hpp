@@ -53,7 +53,7 @@ SDPA_F16C_TARGET inline Index halfToFloatF16c(const Eigen::half* src, float* dst
  * dst[i] = float(src[i]) for contiguous half or bfloat16 storage. Half takes F16C where the
  * build targets it, else where the CPU has it (every AVX2 CPU; chosen at run time, capped by
  * IsaChoice as the tile kernels are): 8 lanes per instruction instead of Eigen's scalar
- * conversion, about 10x faster. bfloat16 is the upper half of a float, a shift the compiler
+ * conversion, 13x faster (PERFORMANCE.md, decoding). bfloat16 is the upper half of a float, a shift the compiler
  * vectorises.
  */
 inline void halfToFloat(const Eigen::half* src, float* dst, Index n) {
