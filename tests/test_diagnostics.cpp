@@ -252,7 +252,10 @@ TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the fold
   }
   SECTION("ties at the maximum: the first key, a gap of 0, the Jacobian of two equal weights") {
     // Rows of q = 0 (every logit 0) and keys repeated (each logit twice): ties at every level.
-    Mat<float> qt = q, kt = k;
+    // Integer entries, so that every logit is exact whatever order its sum takes (the portable
+    // path's Eigen products sum a key at one column of a tile and its repeat at another in
+    // different orders) and the repeated keys' logits tie to the bit.
+    Mat<float> qt = q.array().round().matrix(), kt = k.array().round().matrix();
     qt.topRows(5).setZero();
     kt.bottomRows(nK / 2) = kt.topRows(nK / 2);
     sdpa::DiagnosticsSink tiled, naive;

@@ -88,44 +88,64 @@ TEMPLATE_TEST_CASE("decoding: a few queries against a long key range, split over
   }
 }
 
-TEST_CASE("1 and 2 threads give bitwise identical forward results", "[tiled][threads]") {
+TEST_CASE("1 and 2 threads give bitwise identical forward results, on every ISA path", "[tiled][threads]") {
   // Each output row is computed by one work unit whatever the thread count, and decoding splits
-  // the keys by the shape, not by the threads, so the results are bitwise equal.
-  const Index H = 4, Hkv = 2, dK = 32;
-  const Mat<float> q = randn<float>(300, H * dK, 11), k = randn<float>(2000, Hkv * dK, 12),
-                   v = randn<float>(2000, Hkv * dK, 13);
-  const auto layout = sdpa::BatchLayout::varlen({0, 100, 300}, {0, 900, 2000});
-  const auto m = mask::Causal{Align::LowerRight};
-  sdpa::MultiHeadForwardResult<float> one, two, decodeOne, decodeTwo;
-  withThreads(1, [&] {
-    one = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
-    decodeOne = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
-  });
-  withThreads(2, [&] {
-    two = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
-    decodeTwo = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
-  });
-  CHECK(one.output == two.output);
-  CHECK(one.logSumExp == two.logSumExp);
-  CHECK(decodeOne.output == decodeTwo.output);
-  CHECK(decodeOne.logSumExp == decodeTwo.logSumExp);
+  // the keys by the shape, not by the threads, so the results are bitwise equal. On the portable
+  // path too, where no unit is fast prefill: its GQA prefill units were once grouped as decoding
+  // units (other arithmetic) when there were enough of them for the threads.
+  using sdpa::internal::Isa;
+  using sdpa::internal::IsaChoice;
+  for (const Isa cap : {Isa::Portable, IsaChoice::detected()}) {
+    IsaChoice::setCap(cap);
+    INFO("ISA cap " << int(cap));
+    const Index H = 4, Hkv = 2, dK = 32;
+    const Mat<float> q = randn<float>(300, H * dK, 11), k = randn<float>(2000, Hkv * dK, 12),
+                     v = randn<float>(2000, Hkv * dK, 13);
+    const auto layout = sdpa::BatchLayout::varlen({0, 100, 300}, {0, 900, 2000});
+    const auto m = mask::Causal{Align::LowerRight};
+    sdpa::MultiHeadForwardResult<float> one, two, decodeOne, decodeTwo;
+    withThreads(1, [&] {
+      one = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
+      decodeOne = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+    });
+    withThreads(2, [&] {
+      two = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
+      decodeTwo = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+    });
+    CHECK(one.output == two.output);
+    CHECK(one.logSumExp == two.logSumExp);
+    CHECK(decodeOne.output == decodeTwo.output);
+    CHECK(decodeOne.logSumExp == decodeTwo.logSumExp);
+    // One group of query heads over one kv head, 37 rows each: a decoding group would be run
+    // together on one thread and apart on two.
+    const Mat<float> qg = randn<float>(37, H * dK, 17);
+    sdpa::MultiHeadForwardResult<float> groupOne, groupTwo;
+    withThreads(1, [&] {
+      groupOne = sdpa::multiHeadAttentionForward(qg, k.leftCols(dK), v.leftCols(dK), sdpa::Heads{H, 1});
+    });
+    withThreads(2, [&] {
+      groupTwo = sdpa::multiHeadAttentionForward(qg, k.leftCols(dK), v.leftCols(dK), sdpa::Heads{H, 1});
+    });
+    CHECK(groupOne.output == groupTwo.output);
 
-  // Decoding against 20000 keys: a single work unit whose keys are split (8 ways); the split
-  // depends on the shape only, so 1 and 2 threads, and the same head inside a multi-head call,
-  // agree bitwise.
-  const Mat<float> qd = randn<float>(1, 2 * dK, 14), kd = randn<float>(20000, 2 * dK, 15),
-                   vd = randn<float>(20000, 2 * dK, 16);
-  sdpa::ForwardResult<float> single1, single2;
-  sdpa::MultiHeadForwardResult<float> both;
-  withThreads(1, [&] { single1 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK)); });
-  withThreads(2, [&] {
-    single2 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK));
-    both = sdpa::multiHeadAttentionForward(qd, kd, vd, sdpa::Heads{2});
-  });
-  CHECK(single1.output == single2.output);
-  CHECK(single1.logSumExp == single2.logSumExp);
-  CHECK(single1.output == both.output.leftCols(dK));
-  CHECK(single1.logSumExp(0) == both.logSumExp(0, 0));
+    // Decoding against 20000 keys: a single work unit whose keys are split (8 ways); the split
+    // depends on the shape only, so 1 and 2 threads, and the same head inside a multi-head call,
+    // agree bitwise.
+    const Mat<float> qd = randn<float>(1, 2 * dK, 14), kd = randn<float>(20000, 2 * dK, 15),
+                     vd = randn<float>(20000, 2 * dK, 16);
+    sdpa::ForwardResult<float> single1, single2;
+    sdpa::MultiHeadForwardResult<float> both;
+    withThreads(1, [&] { single1 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK)); });
+    withThreads(2, [&] {
+      single2 = sdpa::attentionForward(qd.leftCols(dK), kd.leftCols(dK), vd.leftCols(dK));
+      both = sdpa::multiHeadAttentionForward(qd, kd, vd, sdpa::Heads{2});
+    });
+    CHECK(single1.output == single2.output);
+    CHECK(single1.logSumExp == single2.logSumExp);
+    CHECK(single1.output == both.output.leftCols(dK));
+    CHECK(single1.logSumExp(0) == both.logSumExp(0, 0));
+  }
+  IsaChoice::setCap(Isa::Amx);
 }
 
 TEMPLATE_TEST_CASE("tiled and naive kernels agree on batched GQA with dropout", "[tiled][multihead]", float, double) {

@@ -938,12 +938,16 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
     // its chunks, splits and merge order are the same as alone: the same bits.
     auto& groupStart = plan.groupStart;
     groupStart.clear();
+    // (Decoding: a few rows, which stream() alone also takes to streamDecode. On the portable
+    // path a prefill unit is not `prefill` either, and grouped it would take streamDecode's
+    // arithmetic instead of its own: other bits with a sink, or with another thread count.)
+    const auto decoding = [&](const Unit& w) { return !prefill(pairs[size_t(w.pair)]) && w.rows <= Impl::kDecodeRows; };
     for (Index i = 0; i < Index(units.size()); ++i) {
       const ItemHead& u = pairs[size_t(units[size_t(i)].pair)];
-      const bool joins = i > 0 && !prefill(u) && [&] {
+      const bool joins = i > 0 && decoding(units[size_t(i)]) && [&] {
         const Unit& prev = units[size_t(i - 1)];
         const ItemHead& p = pairs[size_t(prev.pair)];
-        return !prefill(p) && p.item == u.item && p.kvHead == u.kvHead && prev.i0 == units[size_t(i)].i0;
+        return decoding(prev) && p.item == u.item && p.kvHead == u.kvHead && prev.i0 == units[size_t(i)].i0;
       }();
       if (!joins) groupStart.push_back(i);
     }
