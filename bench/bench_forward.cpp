@@ -181,6 +181,30 @@ void BM_ForwardSink(benchmark::State& state) {
   sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d), timer.seconds(), n, n, d);
 }
 
+/// What a DiagnosticsSink adds besides the per-row figures: the per-head inputs of the
+/// summaries (Var(q), Var(k), the centred d x d Gram matrices of q and k: internal::moments, twice
+/// per head), GFLOP/s counted as the Gram matrices' lower halves, 2 n d^2 for the two; "xForward":
+/// their time over one forward of the same shape (no sink), timed beside them (median of 5).
+/// args: n, d
+void BM_SinkMoments(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  sdpa_bench::setThreads(1);
+  const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
+  const auto timeOf = [&](auto&& f) {
+    f();
+    return sdpa_bench::medianSeconds(f, 5);
+  };
+  const double forward = timeOf([&] { benchmark::DoNotOptimize(sdpa::attentionForward(q, k, v).output.data()); });
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(sdpa::internal::moments(q).variance);
+    benchmark::DoNotOptimize(sdpa::internal::moments(k).variance);
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * double(n) * double(d) * double(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  if (state.iterations() > 0) state.counters["xForward"] = timer.seconds() / double(state.iterations()) / forward;
+}
+
 /// Storage order: q, k, v column-major (0) or row-major (1, numpy's and PyTorch's layout, read in
 /// place), into preallocated outputs; "xColumnMajor" is the row-major call's time over the
 /// column-major one's of the same shape in the same run. Peak memory of either (one process per
@@ -260,6 +284,11 @@ BENCHMARK(BM_ForwardCausal)
 BENCHMARK(BM_ForwardSink)
     ->ArgNames({"n", "d", "threads", "sink"})
     ->ArgsProduct({{1024, 4096, 16384}, {64, 128}, {1}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SinkMoments)
+    ->ArgNames({"n", "d"})
+    ->ArgsProduct({{1024, 4096}, {64, 128}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForwardLayout)

@@ -158,6 +158,51 @@ TEST_CASE("every ISA path of the float prefill kernel matches the fp64 reference
   }
 }
 
+TEST_CASE("the diagnostics' centred Gram matrices on every ISA path: within float's summation bound", "[tiled][isa]") {
+  // moments() of float inputs (a DiagnosticsSink's per-head inputs: Var(q), Var(k) and the
+  // centred Gram matrices behind varianceRatioCentred): the fast Gram kernel on AVX2 / AVX-512,
+  // Eigen's rank update on the portable path, against double. Each Gram entry sums at most
+  // kMomentRows products in float (in lanes, then the blocks in double): with centred entries c,
+  // |error| <= (kMomentRows + 2) u sum_i |c_ia| |c_ib|, plus the centring's own error, which
+  // moves every entry by n delta_a delta_b (delta: the mean's float error, at most
+  // (kMomentRows + 2) u its magnitude) and rounds each c to u |c|. Shapes: one row, fewer rows than
+  // a vector, more than a block; widths below, at and past the kernel's tiles; column-major,
+  // row-major and a block of a wider matrix.
+  constexpr double u = 0x1p-24;
+  const double m = double(sdpa::internal::kMomentRows) + 2;
+  std::uint64_t seed = 4400;
+  for (const auto& shape : std::vector<std::pair<Index, Index>>{{1, 3}, {7, 5}, {37, 24}, {600, 64}, {1100, 100}}) {
+    const Index n = shape.first, d = shape.second;
+    INFO("n " << n << ", d " << d);
+    const Mat<float> wide = (randn<float>(n, d + 3, ++seed).array() + 3.0f).matrix();
+    const Mat<double> x = wide.leftCols(d).cast<double>();
+    const Eigen::RowVectorXd mean = x.colwise().mean();
+    const Mat<double> c = x.rowwise() - mean, gram = c.transpose() * c;
+    const Mat<double> bound = (m + 1) * u * (c.cwiseAbs().transpose() * c.cwiseAbs()) +
+                              double(n) * (m * u * mean.cwiseAbs().transpose()) * (m * u * mean.cwiseAbs());
+    // Var = (tr G + n sum_c (mean_c - mu)^2) / (n d), mu the mean of the means: G's diagonal
+    // as above, and each mean_c off by delta_c.
+    const double variance = (x.array() - x.mean()).square().mean();
+    const Eigen::ArrayXd delta = m * u * mean.cwiseAbs().transpose().array();
+    const double varianceBound =
+        (bound.trace() +
+         double(n) * (4 * (mean.array() - mean.mean()).abs().transpose() * delta + 4 * delta.square()).sum()) /
+        double(n * d);
+    const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rowMajor = wide.leftCols(d);
+    forEachIsa([&](Isa) {
+      const auto check = [&](const sdpa::internal::Moments& got, const char* layout) {
+        INFO(layout);
+        REQUIRE(got.gram.rows() == d);
+        CHECK(((got.gram - gram).cwiseAbs().array() <= bound.array()).all());
+        CHECK(std::abs(got.variance - variance) <= varianceBound);
+      };
+      check(sdpa::internal::moments(Mat<float>(wide.leftCols(d))), "column-major");
+      check(sdpa::internal::moments(rowMajor), "row-major");
+      check(sdpa::internal::moments(wide.leftCols(d)), "a block of a wider matrix");
+    });
+  }
+}
+
 TEST_CASE("the AVX2 and AVX-512 paths give the same bits", "[tiled][isa]") {
   // Each lane (query row) computes the same operations in the same order on both: the same
   // fused multiply-adds of the products, the same exp, the same running sums.

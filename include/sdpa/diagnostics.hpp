@@ -30,6 +30,7 @@
 #include "diagnostics_sink.hpp"
 #include "internal/diagnostics_rows.hpp"
 #include "internal/forward_naive.hpp"
+#include "internal/input_moments.hpp"
 #include "mask.hpp"
 #include "multihead.hpp"
 #include "scale.hpp"

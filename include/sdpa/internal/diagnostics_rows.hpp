@@ -247,65 +247,6 @@ TileSums tileRowSums(const Acc* s, const Acc* e, const Acc* raw, Acc rawScale, I
   return x;
 }
 
-/**
- * (x - mean)^T (x - mean) (d x d, x n x d, mean its column means), in blocks of 256 rows: each
- * block centred and multiplied in the accumulation type (float for float and half inputs: half
- * the time of double, and a relative error of a few 256 u per entry, far below what the ratio is
- * read for), the blocks summed in double. No n x d copy: a sink on a long sequence would
- * otherwise touch fresh pages on every call.
- */
-template <typename D>
-Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVectorXd& mean) {
-  using Acc = Accumulator<typename D::Scalar>;
-  constexpr Index kRows = 256;
-  Eigen::MatrixXd g = Eigen::MatrixXd::Zero(x.cols(), x.cols());
-  Matrix<Acc> block, part(x.cols(), x.cols());
-  for (Index i0 = 0; i0 < x.rows(); i0 += kRows) {
-    const Index rows = std::min(kRows, x.rows() - i0);
-    block = x.middleRows(i0, rows).template cast<Acc>().rowwise() - mean.template cast<Acc>();
-    part.setZero();
-    part.template selfadjointView<Eigen::Lower>().rankUpdate(block.transpose());
-    g += part.template cast<double>();
-  }
-  return g.template selfadjointView<Eigen::Lower>();
-}
-
-/// What the summaries read of one head's q or k (n x d): the variance of its entries and the
-/// Gram matrix of its columns centred on their means.
-struct Moments {
-  double variance = 0;
-  Eigen::MatrixXd gram;
-};
-
-/// x's Moments in one pass for the column means and one for the Gram matrix: the variance of
-/// all n d entries is (tr G + n sum_c (mean_c - mean)^2) / (n d), mean the mean of the means.
-template <typename D>
-Moments moments(const Eigen::MatrixBase<D>& x) {
-  Moments out;
-  if (x.size() == 0) return out;
-  const Eigen::RowVectorXd mean = x.template cast<double>().colwise().mean();
-  out.gram = centredGram(x, mean);
-  const double n = double(x.rows()), mu = mean.mean();
-  out.variance = (out.gram.trace() + n * (mean.array() - mu).square().sum()) / (n * double(x.cols()));
-  return out;
-}
-
-/// The per-head inputs of the summaries from q's and k's Moments (q n_q x d_k, k n_k x d_k).
-inline HeadInputs headInputs(const Moments& q, const Moments& k, Index dK, Index nQ, Index nK, double tau) {
-  HeadInputs in{dK, nK, tau, q.variance, k.variance};
-  if (nQ > 1 && nK > 1) {
-    const double norm = q.gram.trace() * k.gram.trace();
-    if (norm > 0) in.centredRatio = double(dK) * q.gram.cwiseProduct(k.gram).sum() / norm;
-  }
-  return in;
-}
-
-/// Records the per-head inputs of the summaries: d_k, n_k, tau and Var(q), Var(k) of the head.
-template <typename DQ, typename DK>
-HeadInputs headInputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, double tau) {
-  return headInputs(moments(q), moments(k), q.cols(), q.rows(), k.rows(), tau);
-}
-
 }  // namespace sdpa::internal
 
 #endif  // SDPA_INTERNAL_DIAGNOSTICS_ROWS_HPP

@@ -23,6 +23,7 @@
 #include "checks.hpp"
 #include "forward_naive.hpp"
 #include "forward_tiled.hpp"
+#include "input_moments.hpp"
 #include "key_count_scale.hpp"
 #include "macros.hpp"
 

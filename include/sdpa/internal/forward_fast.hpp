@@ -150,6 +150,63 @@ inline void expArray(bool base2, const float* x, float* y, Index n) {
     y[i] = base2 ? (x[i] > kExp2Cut ? std::exp2(x[i]) : 0.0f) : (x[i] > kExpCut<float> ? std::exp(x[i]) : 0.0f);
 }
 
+/// The padding of the Gram kernel's order under the ISA in force (gramLower's kGramRows); 0
+/// where there is no such kernel (the portable path: Eigen's product instead).
+inline Index gramRows() {
+#if SDPA_HAS_ISA_DISPATCH
+  if (IsaChoice::current() >= Isa::Avx512) return avx512::kGramRows;
+  if (IsaChoice::current() == Isa::Avx2) return avx2::kGramRows;
+#endif
+  return 0;
+}
+
+/// g += x^T x on its lower tiles (SDPA_FAST_NS::gramLower) under the ISA in force; gramRows() > 0.
+inline void gramLower(const float* x, Index rows, Index dPad, float* g) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (IsaChoice::current() >= Isa::Avx512) return avx512::gramLower(x, rows, dPad, g);
+  if (IsaChoice::current() == Isa::Avx2) return avx2::gramLower(x, rows, dPad, g);
+#endif
+  (void)x, (void)rows, (void)dPad, (void)g;  // not called: gramRows() is 0
+}
+
+#if SDPA_HAS_ISA_DISPATCH
+/**
+ * out (row-major, row stride ldo) rows 0..rows, columns 0..d = x (column-major, column stride
+ * ldx) minus mu (d), in 8 x 8 blocks transposed in registers (a scalar loop of strided stores
+ * took as long as the Gram product it feeds at d_k = 64).
+ */
+__attribute__((target("avx2"))) inline void centredTranspose(const float* x, Index ldx, Index rows, Index d,
+                                                             const float* mu, float* out, Index ldo) {
+  Index r0 = 0;
+  for (; r0 + 8 <= rows; r0 += 8) {
+    Index c0 = 0;
+    for (; c0 + 8 <= d; c0 += 8) {
+      __m256 m[8], t[8];
+      for (Index j = 0; j < 8; ++j)
+        m[j] = _mm256_sub_ps(_mm256_loadu_ps(x + (c0 + j) * ldx + r0), _mm256_set1_ps(mu[c0 + j]));
+      for (Index j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(m[j], m[j + 1]);
+        t[j + 1] = _mm256_unpackhi_ps(m[j], m[j + 1]);
+      }
+      for (Index j = 0; j < 8; j += 4) {
+        m[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+        m[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
+        m[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        m[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
+      }
+      for (Index i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(out + (r0 + i) * ldo + c0, _mm256_permute2f128_ps(m[i], m[i + 4], 0x20));
+        _mm256_storeu_ps(out + (r0 + i + 4) * ldo + c0, _mm256_permute2f128_ps(m[i], m[i + 4], 0x31));
+      }
+    }
+    for (; c0 < d; ++c0)
+      for (Index r = r0; r < r0 + 8; ++r) out[r * ldo + c0] = x[c0 * ldx + r] - mu[c0];
+  }
+  for (; r0 < rows; ++r0)
+    for (Index c = 0; c < d; ++c) out[r0 * ldo + c] = x[c * ldx + r0] - mu[c];
+}
+#endif
+
 #if SDPA_HAS_ISA_DISPATCH
 /**
  * maxFiniteAbs's scan of n floats, 8 at a time (compilers leave the plain loop scalar: a compare
