@@ -44,9 +44,10 @@ void BM_BackwardBlocks(benchmark::State& state) {
   backward(state, sdpa::kernel::Tiled{state.range(3), state.range(4)});
 }
 
-/// Storage order: q, k, v and dO column-major (0) or row-major (1, numpy's and PyTorch's layout,
-/// read in place), into preallocated gradients; "xColumnMajor" is the row-major call's time over
-/// the column-major one's of the same shape in the same run. Peak memory of either (one process
+/// Storage order: q, k, v and dO column-major (0), row-major (1, numpy's and PyTorch's layout,
+/// read in place) or a mix (2: q and v row-major, k and dO column-major, each read in place), into
+/// preallocated gradients; "xColumnMajor" is the call's time over the column-major one's of the
+/// same shape in the same run. Peak memory of either (one process
 /// per filter): `/usr/bin/time -v build/bench/bench/bench_backward --benchmark_filter=...`.
 /// args: n, d, threads, rowMajor
 void BM_BackwardLayout(benchmark::State& state) {
@@ -71,7 +72,10 @@ void BM_BackwardLayout(benchmark::State& state) {
     return timer.seconds();
   };
   double seconds = 0;
-  if (state.range(3)) {
+  if (state.range(3) == 2) {  // a mix: q and v row by row, k and dO column by column
+    const RowMajor q = qc, v = vc;
+    seconds = run(q, kc, v, dOc);
+  } else if (state.range(3)) {
     const RowMajor q = qc, k = kc, v = vc, dO = dOc;
     seconds = run(q, k, v, dO);
   } else {
@@ -86,7 +90,7 @@ void BM_BackwardLayout(benchmark::State& state) {
 
 BENCHMARK(BM_BackwardLayout)
     ->ArgNames({"n", "d", "threads", "rowMajor"})
-    ->ArgsProduct({{1024, 4096}, {64, 128}, {1}, {0, 1}})
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {1}, {0, 1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_BackwardBlocks)

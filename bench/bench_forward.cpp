@@ -205,9 +205,10 @@ void BM_SinkMoments(benchmark::State& state) {
   if (state.iterations() > 0) state.counters["xForward"] = timer.seconds() / double(state.iterations()) / forward;
 }
 
-/// Storage order: q, k, v column-major (0) or row-major (1, numpy's and PyTorch's layout, read in
-/// place), into preallocated outputs; "xColumnMajor" is the row-major call's time over the
-/// column-major one's of the same shape in the same run. Peak memory of either (one process per
+/// Storage order: q, k, v column-major (0), row-major (1, numpy's and PyTorch's layout, read in
+/// place) or a mix (2: q and v row-major, k column-major, each read in place), into preallocated
+/// outputs; "xColumnMajor" is the call's time over the column-major one's of the same shape in
+/// the same run. Peak memory of either (one process per
 /// filter): `/usr/bin/time -v build/bench/bench/bench_forward --benchmark_filter=...`.
 /// args: n, d, threads, rowMajor
 void BM_ForwardLayout(benchmark::State& state) {
@@ -226,7 +227,11 @@ void BM_ForwardLayout(benchmark::State& state) {
     return timer.seconds();
   };
   double seconds = 0;
-  if (state.range(3)) {
+  if (state.range(3) == 2) {  // a mix: q and v row by row, k column by column
+    const RowMajor q = input(n, d, 1), v = input(n, d, 3);
+    const Eigen::MatrixXf k = input(n, d, 2);
+    seconds = run(q, k, v);
+  } else if (state.range(3)) {
     const RowMajor q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
     seconds = run(q, k, v);
   } else {
@@ -293,7 +298,7 @@ BENCHMARK(BM_SinkMoments)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForwardLayout)
     ->ArgNames({"n", "d", "threads", "rowMajor"})
-    ->ArgsProduct({{4096, 16384}, {64, 128}, {1}, {0, 1}})
+    ->ArgsProduct({{4096, 16384}, {64, 128}, {1}, {0, 1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.

@@ -207,7 +207,7 @@ inline double bf16DotPeakGflops() {
 /**
  * The storage-order benchmarks' "xColumnMajor" (BM_ForwardLayout, BM_BackwardLayout; args n, d,
  * threads, rowMajor): the column-major run of a shape, registered first, records its time per
- * call; the row-major run of the same shape reports its own time over it.
+ * call; the row-major and mixed runs of the same shape report their own time over it.
  */
 inline void reportLayoutRatio(benchmark::State& state, double seconds) {
   static std::map<std::vector<Index>, double> columnMajor;

@@ -220,6 +220,11 @@ TEMPLATE_TEST_CASE("row-major inputs are read in place: no copy, no allocation a
     const Mat<T> qc = q, kc = k, vc = v;
     const auto col = sdpa::multiHeadAttentionForward<float>(qc, kc, vc, Heads{H, Hkv});
     CHECK(maxAbsDiff(out, col.output) <= 1e-5);
+    // A mix of storage orders (q and v row by row, k column by column): each read in its own.
+    const auto mixed = [&] { sdpa::multiHeadAttentionForwardInto(qm, kc, vm, Heads{H, Hkv}, out, lse); };
+    mixed();
+    CHECK(allocationsOf(mixed) == 0);
+    CHECK(maxAbsDiff(out, col.output) <= 1e-5);
   }
 }
 
@@ -388,6 +393,18 @@ TEST_CASE("backward into sized gradients: what the allocating backward computes,
       // (The general tiles' products may sum in another order for row-major operands: a few
       // roundings of sums of at most 200 terms; test_backward.cpp holds both to the FlashAttention rule.)
       const double tol = p == 0 ? 0.0 : 64 * double(std::numeric_limits<float>::epsilon());
+      CHECK(maxAbsDiff(dq, g.dq) <= tol * maxAbs(g.dq));
+      CHECK(maxAbsDiff(dk, g.dk) <= tol * maxAbs(g.dk));
+      CHECK(maxAbsDiff(dv, g.dv) <= tol * maxAbs(g.dv));
+      // A mix of storage orders (q and v row by row, k and dO column by column): each read in
+      // its own.
+      const auto mixed = [&] {
+        sdpa::multiHeadAttentionBackwardInto(sdpa::kernel::Tiled{}, qm, kc, vm, fwd.output, fwd.logSumExp, dOc,
+                                             Heads{4, 2}, dq, dk, dv, dscale, sdpa::scale::InvSqrtDk{}, causal,
+                                             dropout);
+      };
+      mixed();
+      CHECK(allocationsOf(mixed) == 0);
       CHECK(maxAbsDiff(dq, g.dq) <= tol * maxAbs(g.dq));
       CHECK(maxAbsDiff(dk, g.dk) <= tol * maxAbs(g.dk));
       CHECK(maxAbsDiff(dv, g.dv) <= tol * maxAbs(g.dv));

@@ -85,32 +85,33 @@ inline constexpr bool AccumulatesInto =
  * dq n_q x (H d_k), dk n_k x (H_kv d_k), dv n_k x (H_kv d_v), dscale H (dL/dtau_h, or dL/dc_h
  * for a key-count scale); dbias, if not null, shaped as the mask's Bias matrix.
  */
-/// View (withInputViews): q, k, v and dO read in place, all column-major (ConstRef) or all
-/// row-major (RowConstRef).
-template <typename Scalar, typename View = ConstRef<Scalar>, typename Kernel, typename Scale, typename Mask>
-void batchedBackwardInto(const Kernel& kern, const typename Identity<View>::type& q,
-                         const typename Identity<View>::type& k, const typename Identity<View>::type& v,
-                         const typename Identity<View>::type& dO, const BatchLayout& layout, const Heads& heads,
+/// QView, KView, VView, OView (withInputViews): how q, k, v and dO are read in place, each
+/// column-major (ConstRef) or row-major (RowConstRef).
+template <typename Scalar, typename QView = ConstRef<Scalar>, typename KView = QView, typename VView = KView,
+          typename OView = QView, typename Kernel, typename Scale, typename Mask>
+void batchedBackwardInto(const Kernel& kern, const typename Identity<QView>::type& q,
+                         const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                         const typename Identity<OView>::type& dO, const BatchLayout& layout, const Heads& heads,
                          const HeadDims& dims, const Scale& scale, const Mask& mask, const Dropout& dropout,
                          Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
                          Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
   if constexpr (scale::DependsOnKeyCount<Scale>) {
     // forward: tau_i q_i . k_j = tau_h (r_i q_i) . k_j with tau_h = c s(d_k)   =>   the gradients
     // of q' = r q and tau_h, then dq_i = r_i dq'_i and dL/dc = s(d_k) dL/dtau_h.
-    using QMatrix = std::conditional_t<std::is_same_v<View, ConstRef<Scalar>>, Matrix<Scalar>, RowMajorMatrix<Scalar>>;
+    using QMatrix = std::conditional_t<std::is_same_v<QView, ConstRef<Scalar>>, Matrix<Scalar>, RowMajorMatrix<Scalar>>;
     Matrix<double> factors;
     const QMatrix qs = rowScaledQuery<Scalar, Scale, QMatrix>(q, layout, heads, dims.dK, mask, factors);
-    batchedBackwardInto<Scalar, View>(kern, View(qs), k, v, dO, layout, heads, dims,
-                                      HeadTaus<Scalar>(scale, heads.query, dims.dK), mask, dropout, dq, dk, dv, dscale,
-                                      dbias);
+    batchedBackwardInto<Scalar, QView, KView, VView, OView>(kern, QView(qs), k, v, dO, layout, heads, dims,
+                                                            HeadTaus<Scalar>(scale, heads.query, dims.dK), mask,
+                                                            dropout, dq, dk, dv, dscale, dbias);
     scaleQueryGradient<Scalar>(dq, factors, dims.dK);
     using Policy = typename RowFactorPolicy<Scale>::type;
     dscale *= Scalar(Policy::valueSlope(dims.dK));
   } else {
     const HeadTaus<Scalar> taus(scale, heads.query, dims.dK);
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-      backwardTiled<Scalar, View>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale,
-                                  dbias);
+      backwardTiled<Scalar, QView, KView, VView, OView>(kern, q, k, v, dO, layout, heads, dims, taus, mask, dropout, dq,
+                                                        dk, dv, dscale, dbias);
     } else {  // an else, not an early return: a tiled call must not instantiate the naive kernel
       typename backward_naive_impl<Scalar>::Scratch scratch;
       Vector<double> dtau = Vector<double>::Zero(heads.query);
@@ -151,8 +152,8 @@ HeadDims checkBackward(const char* where, Shape q, Shape k, Shape v, Shape o, Sh
   return dims;
 }
 
-/// batchedBackwardInto on q, k, v and dO read in place where they share a storage order
-/// (withInputViews), else on column-major copies.
+/// batchedBackwardInto on q, k, v and dO read in place, each in its own storage order
+/// (withInputViews).
 template <typename Scalar, typename Kernel, typename DQ, typename DK, typename DV, typename DO, typename Scale,
           typename Mask>
 void backwardOnViews(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -162,8 +163,9 @@ void backwardOnViews(const Kernel& kern, const Eigen::MatrixBase<DQ>& q, const E
                      Eigen::Ref<Matrix<Scalar>> dv, Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias) {
   withInputViews<Scalar>(
       [&](const auto& qv, const auto& kv, const auto& vv, const auto& dOv) {
-        batchedBackwardInto<Scalar, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, dOv, layout, heads, dims, scale, mask,
-                                                                dropout, dq, dk, dv, dscale, dbias);
+        batchedBackwardInto<Scalar, std::decay_t<decltype(qv)>, std::decay_t<decltype(kv)>, std::decay_t<decltype(vv)>,
+                            std::decay_t<decltype(dOv)>>(kern, qv, kv, vv, dOv, layout, heads, dims, scale, mask,
+                                                         dropout, dq, dk, dv, dscale, dbias);
       },
       q, k, v, dO);
 }

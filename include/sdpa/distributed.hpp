@@ -470,7 +470,8 @@ MultiHeadForwardResult<typename DQ::Scalar> ringForward(
   const Index H = heads.query, cK = heads.keyValue * dims.dK;
   const internal::Ring ring(c, mask);
   const Matrix<Scalar> own = internal::packBlock<Scalar>(k, v);
-  const sdpa::internal::ConstRef<Scalar> qm(q);  // (a copy only for a row-major or expression input)
+  // q in place in either storage order (k and v travel packed: own). (A copy only for an expression.)
+  const sdpa::internal::InputView<Scalar, DQ> qm(q);
   Matrix<double> o = Matrix<double>::Zero(q.rows(), H * dims.dV);
   Matrix<double> lse = Matrix<double>::Constant(q.rows(), H, -std::numeric_limits<double>::infinity());
   Matrix<Scalar> partOut;
@@ -548,7 +549,12 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(
   const sdpa::internal::HeadTaus<Scalar> taus(scale, H, dims.dK);
   const internal::Ring ring(c, mask);
   const Matrix<Scalar> own = internal::packBlock<Scalar>(k, v);
-  const sdpa::internal::ConstRef<Scalar> qm(q), dOm(dOut);  // (copies only for row-major or expressions)
+  // q and dO in place in either storage order (k and v travel packed: own). (Copies only for
+  // expressions.)
+  using QView = sdpa::internal::InputView<Scalar, DQ>;
+  using OView = sdpa::internal::InputView<Scalar, DO>;
+  const QView qm(q);
+  const OView dOm(dOut);
   const auto& segs = qSplit.segments(c.rank);
 
   // Each query segment's rows (rows x 4H, the layout of BackwardRows): maxima, sums, D and
@@ -567,8 +573,8 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(
                              const auto& f) {
     const auto mk = internal::blockMask(mask, sq, sk, c);
     using Ref = sdpa::internal::ConstRef<Scalar>;
-    f(Ref(qm.middleRows(sq.local, sq.rows)), Ref(block.block(sk.local, 0, sk.rows, cK)),
-      Ref(block.block(sk.local, cK, sk.rows, block.cols() - cK)), Ref(dOm.middleRows(sq.local, sq.rows)), mk);
+    f(QView(qm.middleRows(sq.local, sq.rows)), Ref(block.block(sk.local, 0, sk.rows, cK)),
+      Ref(block.block(sk.local, cK, sk.rows, block.cols() - cK)), OView(dOm.middleRows(sq.local, sq.rows)), mk);
   };
 
   // Turn 1: the rows' sums over every key block.
@@ -582,10 +588,11 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(
             part[i].resize(sq.rows, 4 * H);
             blockCall(sq, sk, block,
                       [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
-                        sdpa::internal::backwardTiled<Scalar>(kernel::Tiled{}, qs, ks, vs, dOs,
-                                                              sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims,
-                                                              taus, mk, Dropout(), none, none, none, noScale, nullptr,
-                                                              {sdpa::internal::BackwardRows::Collect, part[i].data()});
+                        using Ref = sdpa::internal::ConstRef<Scalar>;
+                        sdpa::internal::backwardTiled<Scalar, QView, Ref, Ref, OView>(
+                            kernel::Tiled{}, qs, ks, vs, dOs, sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims,
+                            taus, mk, Dropout(), none, none, none, noScale, nullptr,
+                            {sdpa::internal::BackwardRows::Collect, part[i].data()});
                       });
             for (Index h = 0; h < H; ++h) Impl::mergeRows(rowsView(rows[i], h), rowsView(part[i], h));
           }
@@ -611,7 +618,8 @@ MultiHeadGradients<typename DQ::Scalar> ringBackward(
             auto dv = grad->block(sk.local, cK, sk.rows, grad->cols() - cK);
             blockCall(sq, sk, block,
                       [&](const auto& qs, const auto& ks, const auto& vs, const auto& dOs, const auto& mk) {
-                        sdpa::internal::backwardTiled<Scalar>(
+                        using Ref = sdpa::internal::ConstRef<Scalar>;
+                        sdpa::internal::backwardTiled<Scalar, QView, Ref, Ref, OView>(
                             kernel::Tiled{}, qs, ks, vs, dOs, sdpa::internal::singleItem(sq.rows, sk.rows), heads, dims,
                             taus, mk, Dropout(), Eigen::Ref<Matrix<Scalar>>(dq), Eigen::Ref<Matrix<Scalar>>(dk),
                             Eigen::Ref<Matrix<Scalar>>(dv), Eigen::Ref<Vector<Scalar>>(dscale), nullptr,

@@ -48,14 +48,17 @@ struct backward_tiled_impl {
   }
 
   /// Everything a tile needs besides its position. q, qs (tau q or q: foldsScaleIntoQuery), k, v,
-  /// dO are the head's blocks, q, k, v and dO read in place through View (column-major ConstRef
-  /// or row-major RowConstRef), qs built by the call (column-major); finite says q, k, v and dO
+  /// dO are the head's blocks, q, k, v and dO read in place through their views (each
+  /// column-major ConstRef or row-major RowConstRef), qs built by the call (column-major); finite says q, k, v and dO
   /// hold no NaN or inf (plain products, no zero-skipping).
-  template <typename Mask, typename View = ConstRef<Scalar>>
+  template <typename Mask, typename QView = ConstRef<Scalar>, typename KView = QView, typename VView = KView,
+            typename OView = QView>
   struct Head {
-    View q;
+    QView q;
     ConstRef<Scalar> qs;
-    View k, v, dO;
+    KView k;
+    VView v;
+    OView dO;
     const Mask& mask;
     Scalar tau, cap;         // the head's scale; the softcap, 0 for none
     Index head, row0, col0;  // query head; position of the item in the packed batch (dropout)
@@ -86,8 +89,8 @@ struct backward_tiled_impl {
   /// forward: Y = tau q k^T = (tau q) k^T;  L = mask(softcap(Y)). x (bq x bk) becomes L and, if
   /// the head keeps it, y becomes Y. Both passes of the backward compute logits here alone, so
   /// that they are bitwise the same. qs is tau q for |tau| <= 1, else q (as in the forward).
-  template <typename Mask, typename View>
-  static void logits(const Head<Mask, View>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
+  template <typename Mask, typename... Views>
+  static void logits(const Head<Mask, Views...>& h, Index i0, Index bq, Index j0, Index bk, mask::Tile kind, TileMap& x,
                      TileMap& y) {
     x.noalias() = h.qs.middleRows(i0, bq) * h.k.middleRows(j0, bk).transpose();
     if (!foldsScaleIntoQuery(h.tau)) x *= h.tau;
@@ -96,9 +99,9 @@ struct backward_tiled_impl {
   }
 
   /// forward: O = Pd v   =>   dPd = dO v^T;  and Pd = P * M / (1 - p_drop)  =>  dP = dPd * M / (1 - p_drop)
-  template <typename Mask, typename View>
-  static void valueGradient(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index j0, Index bk,
-                            TileMap& dp) {
+  template <typename Mask, typename... Views>
+  static void valueGradient(const Head<Mask, Views...>& h, const Dropout& dropout, Index i0, Index bq, Index j0,
+                            Index bk, TileMap& dp) {
     dp.noalias() = h.dO.middleRows(i0, bq) * h.v.middleRows(j0, bk).transpose();
     if (dropout.enabled()) {
       const Scalar keepScale = Scalar(dropout.keepScale());
@@ -124,8 +127,8 @@ struct backward_tiled_impl {
    * the mask does not hide, with L, Y and dP of the tile: computed here when `compute` or when
    * the tiles are not cached, else as the cache holds them.
    */
-  template <typename Mask, typename View, typename F>
-  static void forEachTile(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
+  template <typename Mask, typename... Views, typename F>
+  static void forEachTile(const Head<Mask, Views...>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
                           const Tiles& tiles, bool compute, Scratch& sc, F&& f) {
     const Index nQ = h.q.rows(), nK = h.k.rows();
     const bool keepY = h.keepY();
@@ -155,9 +158,9 @@ struct backward_tiled_impl {
    * large logit), where a plain computation, summing the same dP it subtracts from, cancels
    * exactly (NUMERICS.md).
    */
-  template <typename Mask, typename View>
-  static void firstPass(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
-                        const Tiles& tiles, Scratch& sc) {
+  template <typename Mask, typename... Views>
+  static void firstPass(const Head<Mask, Views...>& h, const Dropout& dropout, Index i0, Index bq, Index tileK,
+                        Rows rows, const Tiles& tiles, Scratch& sc) {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     auto m = rows.max.segment(i0, bq), l = rows.sum.segment(i0, bq), d = rows.d.segment(i0, bq);
     auto yc = rows.centre.segment(i0, bq);
@@ -259,8 +262,8 @@ struct backward_tiled_impl {
   }
 
   /// The first pass and its final rows, with the rare recomputation of D below.
-  template <typename Mask, typename View>
-  static void rowPass(const Head<Mask, View>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
+  template <typename Mask, typename... Views>
+  static void rowPass(const Head<Mask, Views...>& h, const Dropout& dropout, Index i0, Index bq, Index tileK, Rows rows,
                       const Tiles& tiles, Scratch& sc) {
     firstPass(h, dropout, i0, bq, tileK, rows, tiles, sc);
     finishRows(rows, i0, bq, h.cap);
@@ -292,11 +295,11 @@ struct backward_tiled_impl {
    * dP finite: the first pass's finding), so that plain products may read them and dP - D cannot
    * overflow at a key of weight 0. Each step quotes the forward line it differentiates.
    */
-  template <typename Mask, typename View, typename DQ, typename DK, typename DV>
-  static double tile(const Head<Mask, View>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq, Index j0,
-                     Index bk, bool finite, TileMap& x, TileMap& y, TileMap& dp, const Eigen::MatrixBase<DQ>& dq_,
-                     const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv, Matrix<Scalar>* dbias,
-                     Scratch& sc) {
+  template <typename Mask, typename DQ, typename DK, typename DV, typename... Views>
+  static double tile(const Head<Mask, Views...>& h, const Rows& rows, const Dropout& dropout, Index i0, Index bq,
+                     Index j0, Index bk, bool finite, TileMap& x, TileMap& y, TileMap& dp,
+                     const Eigen::MatrixBase<DQ>& dq_, const Eigen::MatrixBase<DK>& dk, const Eigen::MatrixBase<DV>& dv,
+                     Matrix<Scalar>* dbias, Scratch& sc) {
     auto& dq = const_cast<Eigen::MatrixBase<DQ>&>(dq_);
     const Index dK = h.q.cols();
     const auto qi = h.q.middleRows(i0, bq);
@@ -428,16 +431,19 @@ struct BackwardRows {
   void* stats = nullptr;
 };
 
-template <typename Scalar, typename View = ConstRef<Scalar>, typename Mask>
-void backwardTiled(const kernel::Tiled& kern, const typename Identity<View>::type& q,
-                   const typename Identity<View>::type& k, const typename Identity<View>::type& v,
-                   const typename Identity<View>::type& dO, const BatchLayout& layout, const Heads& heads,
+template <typename Scalar, typename QView = ConstRef<Scalar>, typename KView = QView, typename VView = KView,
+          typename OView = QView, typename Mask>
+void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::type& q,
+                   const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                   const typename Identity<OView>::type& dO, const BatchLayout& layout, const Heads& heads,
                    const HeadDims& dims, const HeadTaus<Scalar>& taus, const Mask& mask, const Dropout& dropout,
                    Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
                    Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
-    if constexpr (!std::is_same_v<View, ConstRef<Scalar>>) {  // no data to read in place: the column-major route
+    if constexpr (!(std::is_same_v<QView, ConstRef<Scalar>> && std::is_same_v<KView, ConstRef<Scalar>> &&
+                    std::is_same_v<VView, ConstRef<Scalar>> && std::is_same_v<OView, ConstRef<Scalar>>)) {
+      // No data to read in place: the column-major route.
       backwardTiled<Scalar>(kern, ConstRef<Scalar>(q), ConstRef<Scalar>(k), ConstRef<Scalar>(v), ConstRef<Scalar>(dO),
                             layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale, dbias, from);
       return;
@@ -583,7 +589,7 @@ void backwardTiled(const kernel::Tiled& kern, const typename Identity<View>::typ
   const auto withHead = [&](const ItemHead& u, const auto& f) {
     const auto m = itemMask(mask, u);
     const Index dbiasRow0 = dbias && dbias->rows() != u.nQ ? u.head * u.nQ : 0;
-    const typename Impl::template Head<std::decay_t<decltype(m)>, View> hd{
+    const typename Impl::template Head<std::decay_t<decltype(m)>, QView, KView, VView, OView> hd{
         q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
         qs.block(u.q0, u.head * dims.dK, u.nQ, dims.dK),
         k.block(u.k0, u.kvHead * dims.dK, u.nK, dims.dK),

@@ -174,8 +174,8 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
           sink ? startSink<Acc>(*sink, q, k, heads, dims.dK, taus) : std::vector<RowStats*>{};
       withInputViews<In>(
           [&](const auto& qv, const auto& kv, const auto& vv) {
-            forwardTiled<In, Out, std::decay_t<decltype(qv)>>(kern, qv, kv, vv, layout, heads, dims, taus, mask,
-                                                              dropout, out, lse, sink ? rows.data() : nullptr);
+            forwardTiled<In, Out, std::decay_t<decltype(qv)>, std::decay_t<decltype(kv)>, std::decay_t<decltype(vv)>>(
+                kern, qv, kv, vv, layout, heads, dims, taus, mask, dropout, out, lse, sink ? rows.data() : nullptr);
           },
           q, k, v);
     } else if constexpr (std::is_same_v<Out, Acc>) {

@@ -617,17 +617,19 @@ template <typename D>
 inline constexpr bool IsRowMajorInput =
     bool(D::Flags& Eigen::RowMajorBit) && D::RowsAtCompileTime != 1 && D::ColsAtCompileTime != 1;
 
+/// The view the tiled kernels read an input through in place: RowConstRef for one stored row
+/// by row, else ConstRef (column-major; binds column-major storage without a copy).
+template <typename In, typename D>
+using InputView = std::conditional_t<IsRowMajorInput<D>, RowConstRef<In>, ConstRef<In>>;
+
 /**
- * f(x...) on views the tiled kernels read in place: row-major views (RowConstRef) where every
- * input is stored row by row, else column-major ones (ConstRef, which copies a row-major one).
- * Either way no input is copied whole when all share their storage order.
+ * f(x...) on views the tiled kernels read in place, each input in its own storage order
+ * (InputView): no input is copied whole, whatever mix of orders the call has. (Each mix is its
+ * own instantiation of the kernels, made only where a caller uses it.)
  */
 template <typename In, typename F, typename... D>
 void withInputViews(F&& f, const Eigen::MatrixBase<D>&... x) {
-  if constexpr ((IsRowMajorInput<D> && ...))
-    f(RowConstRef<In>(x)...);
-  else
-    f(ConstRef<In>(x)...);
+  f(InputView<In, D>(x)...);
 }
 
 template <typename T>
@@ -653,19 +655,22 @@ inline Index keySplits(Index rows, Index nK, Index tileK) {
  * `stats` (null, or one pointer per query head to its (sum n_q) rows): a DiagnosticsSink's rows,
  * streamed with the online softmax and merged across key splits as the states are; decoding
  * units are then not grouped (the same arithmetic), and a head of tau = 0 takes the general
- * kernel (its raw q.k is a product of its own). View: how q, k and v are read (withInputViews):
- * ConstRef (column-major) or RowConstRef (row-major), both in place.
+ * kernel (its raw q.k is a product of its own). QView, KView, VView: how q, k and v are read
+ * (withInputViews): each ConstRef (column-major) or RowConstRef (row-major), in place.
  */
-template <typename In, typename Out, typename View = ConstRef<In>, typename Mask>
-void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::type& q,
-                  const typename Identity<View>::type& k, const typename Identity<View>::type& v,
+template <typename In, typename Out, typename QView = ConstRef<In>, typename KView = QView, typename VView = KView,
+          typename Mask>
+void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::type& q,
+                  const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
                   const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
                   const HeadTaus<Accumulator<In>>& taus, const Mask& mask, const Dropout& dropout,
                   Eigen::Ref<Matrix<Out>> out, Eigen::Ref<Matrix<Accumulator<In>>> lse,
                   RowStats* const* stats = nullptr) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
-  if constexpr (!std::is_same_v<View, ConstRef<In>>) {
+  constexpr bool kColumnMajor =
+      std::is_same_v<QView, ConstRef<In>> && std::is_same_v<KView, ConstRef<In>> && std::is_same_v<VView, ConstRef<In>>;
+  if constexpr (!kColumnMajor) {
     if (dims.dK == 0 || dims.dV == 0) {  // no data to read in place: the column-major route
       forwardTiled<In, Out>(kernel, ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v), layout, heads, dims, taus, mask,
                             dropout, out, lse, stats);
@@ -981,9 +986,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<View>::ty
       const Index chunk = Impl::decodeKeys(dims.dK, dims.dV);
       for (Index s = 0; s < lead.splits; ++s) {
         const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
-        if constexpr (std::is_same_v<In, float> && std::is_same_v<View, ConstRef<In>>) {
-          // Float in column-major storage: the group's products in one pass over each chunk
-          // (streamDecode), the same per head as alone.
+        if constexpr (std::is_same_v<In, float> && std::is_same_v<KView, ConstRef<In>> &&
+                      std::is_same_v<VView, ConstRef<In>>) {
+          // Float k and v in column-major storage: the group's products in one pass over each
+          // chunk (streamDecode, which stream() takes alone for such k and v), the same per
+          // head as alone.
           const ItemHead& lu = pairs[size_t(lead.pair)];
           using QBlock = decltype(q.block(0, 0, 1, 1));
           thread_local std::vector<typename Impl::template Member<QBlock>> group;
