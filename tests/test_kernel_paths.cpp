@@ -114,7 +114,7 @@ void checkHalfEveryIsa(const Mat<H>& q, const Mat<H>& k, const Mat<H>& v, const 
   const double outBound = errorBound<float>(maxAbsDiff(naive.output, goldOut), outScale, lseScale);
   const double lseBound = errorBound<float>(maxAbsDiff(naive.logSumExp, goldLse), lseScale);
   forEachIsa([&](Isa isa) {
-    if (isa == Isa::Portable) return;  // the Eigen kernel's half path: test_tiled.cpp
+    if (isa == Isa::Portable) return;  // the Eigen kernel's half path: test_half.cpp
     for (const kernel::Tiled& kern : {kernel::Tiled{}, kernel::Tiled{7, 33}}) {
       INFO("blocks " << kern.blockQ << " x " << kern.blockK);
       const auto f = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
