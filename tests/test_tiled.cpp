@@ -110,6 +110,7 @@ TEST_CASE("1 and 2 threads give bitwise identical forward results, on every ISA 
       groupTwo = sdpa::multiHeadAttentionForward(qg, k.leftCols(dK), v.leftCols(dK), sdpa::Heads{H, 1});
     });
     CHECK(groupOne.output == groupTwo.output);
+    if (cap == Isa::Portable) continue;  // (the key splits below do not depend on the ISA)
 
     // Decoding against 20000 keys: a single work unit whose keys are split (8 ways); the split
     // depends on the shape only, so 1 and 2 threads, and the same head inside a multi-head call,
