@@ -123,7 +123,7 @@ MUTANTS = [
      ["test_special_values.cpp", "fuzz"], "tau folded into q whatever its size"),
     ("tiled-unfold-scale", "internal/forward_tiled.hpp",
      "    if (!fold) s *= tau;\n", "",
-     ["test_special_values.cpp", "test_multihead.cpp"], "a large tau never applied"),
+     ["test_special_values.cpp", "test_multihead.cpp", "test_decode.cpp"], "a large tau never applied"),
     ("tiled-head-scale", "internal/forward_tiled.hpp",
      "v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), taus.tau(u.head), itemMask(mask, u), dropout,",
      "v.block(u.k0, u.kvHead * dims.dV, u.nK, dims.dV), taus.tau(u.kvHead), itemMask(mask, u), dropout,",

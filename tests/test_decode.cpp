@@ -84,3 +84,10 @@ TEST_CASE("a million keys for one query, decoding and naive, against the oracle"
           errorBound<float>(std::abs(double(naive.logSumExp(0)) - lse), std::abs(lse)));
   });
 }
+
+TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matches the oracle", "[tiled][decode]") {
+  // A few rows against many keys take the decoding kernel, whose tau > 1 multiplies the logits
+  // after the product (foldsScaleIntoQuery); prefill tests do not reach that line.
+  const Mat<float> q = randn<float>(2, 16, 31), k = randn<float>(3000, 16, 32), v = randn<float>(3000, 8, 33);
+  checkEveryKernel(q, k, v, sdpa::scale::Constant{2.5}, mask::None{}, 2.5L, allVisible(), noBias());
+}
