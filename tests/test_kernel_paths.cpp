@@ -20,27 +20,6 @@ namespace kernel = sdpa::kernel;
 
 namespace {
 
-const char* isaName(Isa isa) {
-  return isa == Isa::Amx          ? "AVX-512 + BF16 + AMX"
-         : isa == Isa::Avx512Bf16 ? "AVX-512 + BF16"
-         : isa == Isa::Avx512     ? "AVX-512"
-         : isa == Isa::Avx2       ? "AVX2"
-                                  : "portable";
-}
-
-/// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which;
-/// Avx512Bf16 and Amx (the same fp32 kernels as Avx512) only where `bf16` asks for them.
-template <typename F>
-void forEachIsa(F&& f, bool bf16 = false) {
-  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx}) {
-    if (int(cap) > int(IsaChoice::detected()) || (cap >= Isa::Avx512Bf16 && !bf16)) continue;
-    IsaChoice::setCap(cap);
-    INFO("ISA " << isaName(IsaChoice::current()));
-    f(cap);
-  }
-  IsaChoice::setCap(Isa::Amx);
-}
-
 /**
  * Calls f(scale, mask, tau, visible, bias, softcap) for the cases the fast kernel's tests sweep
  * at n_q = L, n_k = S, head size dK (`bias`: the L x S matrix of the Bias case): tau <= 1 (folded

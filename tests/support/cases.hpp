@@ -158,4 +158,29 @@ struct OneThread {
   OneThread& operator=(const OneThread&) = delete;
 };
 
+/// The name of an instruction-set path, for test messages.
+inline const char* isaName(sdpa::internal::Isa isa) {
+  using sdpa::internal::Isa;
+  return isa == Isa::Amx          ? "AVX-512 + BF16 + AMX"
+         : isa == Isa::Avx512Bf16 ? "AVX-512 + BF16"
+         : isa == Isa::Avx512     ? "AVX-512"
+         : isa == Isa::Avx2       ? "AVX2"
+                                  : "portable";
+}
+
+/// Calls f() under every ISA this CPU runs (the cap restored after), f(isa) told which;
+/// Avx512Bf16 and Amx (the same fp32 kernels as Avx512) only where `bf16` asks for them.
+template <typename F>
+void forEachIsa(F&& f, bool bf16 = false) {
+  using sdpa::internal::Isa;
+  using sdpa::internal::IsaChoice;
+  for (const Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx}) {
+    if (int(cap) > int(IsaChoice::detected()) || (cap >= Isa::Avx512Bf16 && !bf16)) continue;
+    IsaChoice::setCap(cap);
+    INFO("ISA " << isaName(IsaChoice::current()));
+    f(cap);
+  }
+  IsaChoice::setCap(Isa::Amx);
+}
+
 }  // namespace sdpa_test

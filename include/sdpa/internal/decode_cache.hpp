@@ -184,13 +184,17 @@ inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, 
   }
 }
 
-/// A packet of floats from float storage, or (AVX-512 builds) of half or bfloat16 widened.
+/// A packet of floats from float storage, or (AVX-512 builds: kHalfPackets) of half or bfloat16
+/// widened, so that the kernels below read short half pieces in place.
 inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
   return Eigen::internal::ploadu<Eigen::internal::packet_traits<float>::type>(x);
 }
 #if defined(__AVX512F__)
+inline constexpr bool kHalfPackets = true;
 inline __m512 loadFloats(const Eigen::half* x) { return load16(x); }
 inline __m512 loadFloats(const Eigen::bfloat16* x) { return load16(x); }
+#else
+inline constexpr bool kHalfPackets = false;
 #endif
 
 /// decodeLogitsRows for Rows (<= 4) rows known at compile time: the partial sums stay in
@@ -643,23 +647,16 @@ struct decode_cache_impl {
         for (Index r = 0; r < R; ++r)
           Eigen::Map<Vector<double>>(sc.rowsO[size_t(r)], p.count).noalias() +=
               km * Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)], dK);
-      } else if constexpr (kFusedHalf) {
-        if (!fusedHalf(plan, chunk)) {
-          logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);  // short pieces, in place
-        } else {
-          // Long pieces: converted in registers, 8 columns per pass over a row of logits, with
-          // prefetching (axpyColumnsHalf).
-          for (Index r = 0; r < R; ++r) {
-            Index c = 0;
-            for (; c + 8 <= dK; c += 8)
-              axpyColumnsHalf<8>(sc.rowsA[size_t(r)] + c, k + c * p.ld, p.ld, sc.rowsO[size_t(r)], p.count);
-            for (; c < dK; ++c)
-              axpyColumnsHalf<1>(sc.rowsA[size_t(r)] + c, k + c * p.ld, p.ld, sc.rowsO[size_t(r)], p.count);
-          }
-        }
+      } else if (const auto path = half_columns::path(); path != half_columns::Path::None && fusedHalf(plan, chunk)) {
+        // Long pieces: widened in registers (AVX2 or AVX-512, at run time), 8 columns per pass
+        // over a row of logits, with prefetching; float's kernel's bits.
+        for (Index r = 0; r < R; ++r)
+          half_columns::axpyAll(path, sc.rowsA[size_t(r)], k, p.ld, dK, sc.rowsO[size_t(r)], p.count);
+      } else if constexpr (kHalfPackets) {
+        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);  // short pieces, in place
       } else {
-        // Half storage without AVX-512 in the build: the piece's columns converted into L1/L2
-        // (halfToFloat), then float's kernel.
+        // Short pieces (or no F16C): the piece's columns converted into L1/L2 (halfToFloat), then
+        // float's kernel.
         float* kf = sc.kf.get(p.count * dK);
         for (Index c = 0; c < dK; ++c) halfToFloat(k + c * p.ld, kf + c * p.count, p.count);
         logitsRows(sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data(), sc.prefetch);
@@ -692,25 +689,24 @@ struct decode_cache_impl {
         offset += p.count;
       }
     } else {
-      if constexpr (IsHalfScalar<Plain> && kFusedHalf) {
-        if (fusedHalf(plan, chunk)) {
-          // Half storage converted in registers: each piece's dots, 8 columns per pass over the weights.
+      if constexpr (IsHalfScalar<Plain>) {
+        if (const auto path = half_columns::path(); path != half_columns::Path::None && fusedHalf(plan, chunk)) {
+          // Half storage widened in registers: each piece's dots, 8 columns per pass over the weights.
           float* part = sc.vf.get(dV);
           for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
           for (Index t = chunk.first; t < chunk.last; ++t) {
             const Piece& p = plan.cut[size_t(t)];
             const Plain* v = at<Plain>(p.v, p.vHead, h);
             for (Index r = 0; r < R; ++r) {
-              const float* w = sc.rowsA[size_t(r)] + offset;
-              Index c = 0;
-              for (; c + 8 <= dV; c += 8) dotColumnsHalf<8>(w, v + c * p.ld, p.ld, p.count, part + c);
-              for (; c < dV; ++c) dotColumnsHalf<1>(w, v + c * p.ld, p.ld, p.count, part + c);
-              for (c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += part[c];
+              half_columns::dotAll(path, sc.rowsA[size_t(r)] + offset, v, p.ld, dV, p.count, part);
+              for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += part[c];
             }
             offset += p.count;
           }
           return;
         }
+      }
+      if constexpr (IsHalfScalar<Plain> && kHalfPackets) {
         // Short pieces: read in place, widened in registers.
         thread_local std::vector<SpanOf<Plain>> spans;
         spans.clear();

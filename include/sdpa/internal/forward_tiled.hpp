@@ -18,142 +18,12 @@
 #include "diagnostics_rows.hpp"
 #include "forward_fast.hpp"
 #include "forward_naive.hpp"
+#include "half.hpp"
 #include "macros.hpp"
 #include "online_softmax.hpp"
 #include "parallel.hpp"
 
-#if defined(__F16C__) || defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
-#include <immintrin.h>
-#endif
-
 namespace sdpa::internal {
-
-#if defined(__F16C__) || SDPA_HAS_ISA_DISPATCH
-#if defined(__F16C__)
-#define SDPA_F16C_TARGET
-#else
-#define SDPA_F16C_TARGET __attribute__((target("avx,f16c")))
-#endif
-/// The first n - n % 8 of dst[i] = float(src[i]) by F16C, 8 lanes per instruction (16 where the
-/// translation unit is compiled for AVX-512); returns how many it converted.
-SDPA_F16C_TARGET inline Index halfToFloatF16c(const Eigen::half* src, float* dst, Index n) {
-  Index i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#endif
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  return i;
-}
-#undef SDPA_F16C_TARGET
-#endif
-
-/**
- * dst[i] = float(src[i]) for contiguous half or bfloat16 storage. Half takes F16C where the
- * build targets it, else where the CPU has it (every AVX2 CPU; chosen at run time, capped by
- * IsaChoice as the tile kernels are): 8 lanes per instruction instead of Eigen's scalar
- * conversion, 13x faster (PERFORMANCE.md, decoding). bfloat16 is the upper half of a float, a shift the compiler
- * vectorises.
- */
-inline void halfToFloat(const Eigen::half* src, float* dst, Index n) {
-  Index i = 0;
-#if defined(__F16C__)
-  i = halfToFloatF16c(src, dst, n);
-#elif SDPA_HAS_ISA_DISPATCH
-  if (int(IsaChoice::current()) >= int(Isa::Avx2)) i = halfToFloatF16c(src, dst, n);
-#endif
-  for (; i < n; ++i) dst[i] = float(src[i]);
-}
-inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
-  const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
-  for (Index i = 0; i < n; ++i) {
-    const std::uint32_t word = std::uint32_t(bits[i]) << 16;
-    std::memcpy(dst + i, &word, sizeof(float));
-  }
-}
-
-#if defined(__AVX512F__)
-/// Decoding over half or bfloat16 storage converts in registers (no float copy of each column).
-inline constexpr bool kFusedHalf = true;
-/// 16 half or bfloat16 values widened to float (bfloat16 is the upper half of a float).
-inline __m512 load16(const Eigen::half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-inline __m512 load16(const Eigen::bfloat16* x) {
-  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-}
-/**
- * Halves ahead of the loads that the decoding loops prefetch in each column: G short column
- * streams at once (a key split holds a few thousand keys) outrun the hardware prefetcher.
- * Measured with bench_decode (n_k 65536, d 128, fp16, 1 thread): no prefetch 1.74x the float
- * run, 512 halves 1.94-2.01x, 1024 1.97-2.06x, 2048 1.55x.
- */
-inline constexpr Index kHalfPrefetch = 1024;
-template <typename H>
-inline void prefetch(const H* x) {
-  // A prefetch never faults; the address is formed as an integer, as it may lie past the array.
-  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x) + std::uintptr_t(kHalfPrefetch) * sizeof(H);
-  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-}
-/**
- * y += sum_c a[c] x_c over G columns x_c = x + c stride of n contiguous halves: y (the logits
- * row, in L2) is read and written once per G columns instead of once per column.
- */
-template <int G, typename H>
-void axpyColumnsHalf(const float* a, const H* x, Index stride, float* y, Index n) {
-  __m512 va[G];
-  for (int c = 0; c < G; ++c) va[c] = _mm512_set1_ps(a[c]);
-  Index i = 0;
-  // No prefetch past the end of the columns' run: a chunk of 2048 keys would fetch half as much
-  // again for nothing (the next chunk's start is the hardware prefetcher's).
-  const Index ahead = n - kHalfPrefetch;
-  for (; i + 32 <= n; i += 32) {  // 32 halves: one cache line of each column
-    __m512 lo = _mm512_loadu_ps(y + i), hi = _mm512_loadu_ps(y + i + 16);
-    for (int c = 0; c < G; ++c) {
-      const H* xc = x + c * stride + i;
-      if (i < ahead) prefetch(xc);
-      lo = _mm512_fmadd_ps(va[c], load16(xc), lo);
-      hi = _mm512_fmadd_ps(va[c], load16(xc + 16), hi);
-    }
-    _mm512_storeu_ps(y + i, lo);
-    _mm512_storeu_ps(y + i + 16, hi);
-  }
-  for (; i < n; ++i)
-    for (int c = 0; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);
-}
-/// out[c] = sum_i p[i] x_c[i] for G columns x_c = x + c stride: p is read once for G dots.
-template <int G, typename H>
-void dotColumnsHalf(const float* p, const H* x, Index stride, Index n, float* out) {
-  __m512 acc[G];
-  for (int c = 0; c < G; ++c) acc[c] = _mm512_setzero_ps();
-  Index i = 0;
-  const Index ahead = n - kHalfPrefetch;  // as in axpyColumnsHalf
-  for (; i + 32 <= n; i += 32) {
-    const __m512 lo = _mm512_loadu_ps(p + i), hi = _mm512_loadu_ps(p + i + 16);
-    for (int c = 0; c < G; ++c) {
-      const H* xc = x + c * stride + i;
-      if (i < ahead) prefetch(xc);
-      acc[c] = _mm512_fmadd_ps(hi, load16(xc + 16), _mm512_fmadd_ps(lo, load16(xc), acc[c]));
-    }
-  }
-  for (int c = 0; c < G; ++c) {
-    // Not _mm512_reduce_add_ps: GCC 12 warns inside it (-Wuninitialized on _mm256_undefined_pd).
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[c]);
-    out[c] = 0;
-    for (float l : lanes) out[c] += l;
-    for (Index t = i; t < n; ++t) out[c] += p[t] * float(x[c * stride + t]);
-  }
-}
-#else
-inline constexpr bool kFusedHalf = false;
-template <int G, typename H>
-void axpyColumnsHalf(const float*, const H*, Index, float*, Index) {}
-template <int G, typename H>
-void dotColumnsHalf(const float*, const H*, Index, Index, float*) {}
-#endif
 
 /**
  * Decoding's logits for R query rows over n keys of column-major float k (column stride ldk):
@@ -335,6 +205,17 @@ struct forward_tiled_impl {
       else
         m = x.template cast<Acc>();  // a column of row-major storage
       return m;
+    }
+  }
+
+  /// Decoding's logits s (bq x cols, zero) += qs k[j0 .., :]^T one column of k at a time, each
+  /// converted to Acc: storage without column kernels of its own (double, or half storage where
+  /// the CPU has no F16C).
+  template <typename DK, typename QS, typename S>
+  static void logitsByColumn(const Eigen::MatrixBase<DK>& k, const QS& qs, Index j0, Index cols, S& s, Scratch& sc) {
+    for (Index c = 0; c < k.cols(); ++c) {
+      const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
+      for (Index r = 0; r < s.rows(); ++r) s.row(r) += qs(r, c) * kc.transpose();
     }
   }
 
@@ -520,14 +401,14 @@ struct forward_tiled_impl {
             const auto kt = rowMajorRowsAsAcc(kChunk, b, n, sc.k);
             for (Index r = 0; r < bq; ++r) s.row(r).segment(b, n).transpose().noalias() = kt * qs.row(r).transpose();
           }
-        } else if constexpr (IsHalfScalar<In> && kFusedHalf) {
+        } else if constexpr (IsHalfScalar<In>) {
           s.setZero();
-          const Index stride = k.derived().outerStride();
-          for (Index r = 0; r < bq; ++r) {
-            Index c = 0;
-            for (; c + 8 <= dK; c += 8)
-              axpyColumnsHalf<8>(&qs(r, c), &kChunk.coeffRef(0, c), stride, s.row(r).data(), cols);
-            for (; c < dK; ++c) axpyColumnsHalf<1>(&qs(r, c), &kChunk.coeffRef(0, c), stride, s.row(r).data(), cols);
+          if (const auto path = half_columns::path(); path != half_columns::Path::None) {
+            for (Index r = 0; r < bq; ++r)
+              half_columns::axpyAll(path, &qs(r, 0), &kChunk.coeffRef(0, 0), k.derived().outerStride(), dK,
+                                    s.row(r).data(), cols);
+          } else {
+            logitsByColumn(k, qs, j0, cols, s, sc);
           }
         } else if constexpr (std::is_same_v<In, float>) {
           if (cols == 1) {
@@ -544,10 +425,7 @@ struct forward_tiled_impl {
           }
         } else {
           s.setZero();
-          for (Index c = 0; c < dK; ++c) {
-            const auto kc = columnAsAcc(k.col(c).segment(j0, cols), sc.k);
-            for (Index r = 0; r < bq; ++r) s.row(r) += qs(r, c) * kc.transpose();
-          }
+          logitsByColumn(k, qs, j0, cols, s, sc);
         }
       } else {
         const auto kt = rowsAsAcc(k.derived(), j0, cols, sc.k);
@@ -570,14 +448,12 @@ struct forward_tiled_impl {
               const Index n = std::min(kRowBlock, cols - b);
               dots.transpose().noalias() += s.row(r).segment(b, n) * rowMajorRowsAsAcc(vChunk, b, n, sc.v2);
             }
-          } else if constexpr (IsHalfScalar<In> && kFusedHalf) {
-            const Index stride = v.derived().outerStride();
-            Index c = 0;
-            for (; c + 8 <= dV; c += 8)
-              dotColumnsHalf<8>(s.row(r).data(), &vChunk.coeffRef(0, c), stride, cols, &dots(c));
-            for (; c < dV; ++c) dotColumnsHalf<1>(s.row(r).data(), &vChunk.coeffRef(0, c), stride, cols, &dots(c));
           } else if constexpr (std::is_same_v<In, float>) {
             dots.transpose().noalias() = s.row(r) * vChunk;
+          } else if (const auto path = half_columns::path(); IsHalfScalar<In> && path != half_columns::Path::None) {
+            if constexpr (IsHalfScalar<In>)
+              half_columns::dotAll(path, s.row(r).data(), &vChunk.coeffRef(0, 0), v.derived().outerStride(), dV, cols,
+                                   dots.data());
           } else {
             for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
           }

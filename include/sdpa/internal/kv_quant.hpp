@@ -464,6 +464,233 @@ SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsign
 // clang-format on
 
 }  // namespace avx512
+
+/**
+ * The same products with AVX2 (every x86 CPU since 2013-2015 that lacks AVX-512, the AMD ones
+ * among them): vectors of 8 floats and 16 registers, so blocks of two rows. q8 keys' integer
+ * logits are avx512's exact sums (vpmaddwd), so the same bits on every path; the float paths
+ * (q4 keys, values) sum in an order of their own, as the portable ones do.
+ */
+namespace avx2 {
+
+#define SDPA_QUANT_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/// Rows per register block: 4 vectors of partial sums (32 keys) per row, the codes' 4 vectors.
+inline constexpr Index kRows = 2;
+
+/// Keys 8 h .. 8 h + 7 of a channel's codes as x[h], h = 0..3.
+template <typename F>
+SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
+  if constexpr (F::Bits == 8) {
+    for (int h = 0; h < 4; ++h)
+      x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
+  } else {
+    // Byte i holds key i (low nibble) and key i + 16 (high), each code + 8.
+    const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h)));
+      x[h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low), eight));
+      x[h + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
+    }
+  }
+}
+
+/// One fused multiply-add chain per (row, vector of 8 keys) over the channels in order: four
+/// independent chains per row hide the FMA latency. Every row's arithmetic is the same whatever Rows.
+template <typename F, int Rows>
+SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out) {
+  __m256 acc[Rows][4];
+  for (int m = 0; m < Rows; ++m)
+    for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
+  for (Index c = 0; c < d; ++c) {
+    __m256 x[4];
+    load32<F>(codes + c * kCodeBytes<F>, x);
+    for (int m = 0; m < Rows; ++m) {
+      const __m256 w = _mm256_set1_ps(as[m][c]);
+      for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_fmadd_ps(w, x[h], acc[m][h]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out[m] + 8 * h, acc[m][h]);
+}
+
+template <typename F>
+SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsigned char* const* groups, Index n,
+                                    Index d, float* const* s, float* as) {
+  const float* asRows[kRows];
+  float* out[kRows];
+  for (Index g = 0; g < n; ++g) {
+    const unsigned char* group = groups[g];
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
+    Index c = 0;
+    for (; c + 8 <= d; c += 8) {
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c)));
+      for (Index r = 0; r < R; ++r) _mm256_storeu_ps(as + r * d + c, _mm256_mul_ps(_mm256_loadu_ps(a[r] + c), sc));
+    }
+    for (; c < d; ++c) {
+      const float sc = _cvtsh_ss(scales[c]);
+      for (Index r = 0; r < R; ++r) as[r * d + c] = a[r][c] * sc;
+    }
+    const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
+    for (Index r0 = 0; r0 < R; r0 += kRows) {
+      const Index rows = std::min(kRows, R - r0);
+      for (Index m = 0; m < rows; ++m) {
+        asRows[m] = as + (r0 + m) * d;
+        out[m] = s[r0 + m] + g * kGroup;
+      }
+      if (rows == 1)
+        logitsRows<F, 1>(asRows, d, codes, out);
+      else
+        logitsRows<F, 2>(asRows, d, codes, out);
+    }
+  }
+}
+
+/// avx512::valuesRows with 8-lane partial sums per (row, channel) (acc: Rows d 8 floats).
+template <typename F, int Rows>
+SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
+                                  float* const* dots, float* acc) {
+  for (Index i = 0; i < Rows * d * 8; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  const Index codeBase = d * Index(sizeof(std::uint16_t));
+  for (Index g = 0; g < n; ++g) {
+    const unsigned char* group = groups[g];
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
+    __m256 pv[Rows][4];
+    for (int m = 0; m < Rows; ++m)
+      for (int h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
+    for (Index c0 = 0; c0 < d; c0 += 8) {
+      const Index cols = std::min<Index>(8, d - c0);
+      alignas(32) float sc8[8];
+      if (cols == 8)
+        _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
+      else
+        for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
+      for (Index c = 0; c < cols; ++c) {
+        __m256 x[4];
+        load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x);
+        const __m256 sc = _mm256_set1_ps(sc8[c]);
+        for (int m = 0; m < Rows; ++m) {
+          const __m256 t = _mm256_fmadd_ps(
+              pv[m][3], x[3],
+              _mm256_fmadd_ps(pv[m][2], x[2], _mm256_fmadd_ps(pv[m][1], x[1], _mm256_mul_ps(pv[m][0], x[0]))));
+          float* a = acc + (m * d + c0 + c) * 8;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(sc, t, _mm256_loadu_ps(a)));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (Index c = 0; c < d; ++c) {
+      const float* a = acc + (m * d + c) * 8;
+      float sum = 0.0f;
+      for (int l = 0; l < 8; ++l) sum += a[l];
+      dots[m][c] = sum;
+    }
+}
+
+/// acc: scratch of kRows d 8 floats.
+template <typename F>
+SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n,
+                                    Index d, float* const* dots, float* acc) {
+  for (Index r0 = 0; r0 < R; r0 += kRows) {
+    if (R - r0 == 1)
+      valuesRows<F, 1>(p + r0, groups, n, d, dots + r0, acc);
+    else
+      valuesRows<F, 2>(p + r0, groups, n, d, dots + r0, acc);
+  }
+}
+
+/// int16Weights, 8 channels at a time (the same floats).
+SDPA_QUANT_TARGET inline float int16Weights(const float* a, const std::uint16_t* scales, Index d, std::int16_t* W,
+                                            float* w) {
+  Index c = 0;
+  const __m256 noSign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m8 = _mm256_setzero_ps();
+  for (; c + 8 <= d; c += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(a + c),
+                                   _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c))));
+    _mm256_storeu_ps(w + c, x);
+    m8 = _mm256_max_ps(m8, _mm256_and_ps(x, noSign));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = 0.0f;
+  for (const float l : lanes) m = std::max(m, l);
+  for (; c < d; ++c) {
+    w[c] = a[c] * _cvtsh_ss(scales[c]);
+    m = std::max(m, std::abs(w[c]));
+  }
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (c = 0; c + 8 <= d; c += 8) {
+    const __m256i words = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + c), vinv));  // to nearest, as nearbyint
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(W + c),
+                     _mm_packs_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+  }
+  for (; c < d; ++c) W[c] = std::int16_t(std::nearbyint(w[c] * inv));
+  if (d & 1) W[d] = 0;
+  return m / 32767.0f;
+}
+
+/// q8 keys' logits of Rows rows over one group's channel pairs: exact int32 sums (vpmaddwd) per
+/// block of kIntChannels channels, then one fused multiply-add per key, as avx512's pairedRows.
+template <int Rows>
+SDPA_QUANT_TARGET void pairedRows(const std::int16_t* const* W, const float* ws, Index d, const unsigned char* codes,
+                                  float* const* out) {
+  const Index pairs = (d + 1) / 2;
+  for (Index p0 = 0; p0 < pairs; p0 += kIntChannels / 2) {
+    const Index p1 = std::min(pairs, p0 + kIntChannels / 2);
+    __m256i acc[Rows][4];
+    for (int m = 0; m < Rows; ++m)
+      for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_setzero_si256();
+    for (Index p = p0; p < p1; ++p) {
+      const unsigned char* cp = codes + p * 2 * kGroup;
+      __m256i x[4];  // keys 8 h .. 8 h + 7, each its two channels' codes as int16
+      for (int h = 0; h < 4; ++h)
+        x[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + 16 * h)));
+      for (int m = 0; m < Rows; ++m) {
+        std::int32_t pair;
+        std::memcpy(&pair, W[m] + 2 * p, sizeof pair);
+        const __m256i w = _mm256_set1_epi32(pair);
+        for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(x[h], w));
+      }
+    }
+    for (int m = 0; m < Rows; ++m)
+      for (int h = 0; h < 4; ++h)
+        _mm256_storeu_ps(out[m] + 8 * h, _mm256_fmadd_ps(_mm256_set1_ps(ws[m]), _mm256_cvtepi32_ps(acc[m][h]),
+                                                         _mm256_loadu_ps(out[m] + 8 * h)));
+  }
+}
+
+/// logitsPairedPortable's results, with AVX2.
+SDPA_QUANT_TARGET inline void logitsPaired(const float* const* a, Index R, const unsigned char* const* groups, Index n,
+                                           Index d, float* const* s, float* as) {
+  float* ws = as;
+  float* w = as + R;
+  auto* W = reinterpret_cast<std::int16_t*>(as + R + d);
+  const Index dp = (d + 1) / 2 * 2;
+  const std::int16_t* rowsW[kRows];
+  float* out[kRows];
+  for (Index g = 0; g < n; ++g) {
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
+    const unsigned char* codes = groups[g] + d * Index(sizeof(std::uint16_t));
+    for (Index r = 0; r < R; ++r) ws[r] = int16Weights(a[r], scales, d, W + r * dp, w);
+    for (Index r0 = 0; r0 < R; r0 += kRows) {
+      const Index rows = std::min(kRows, R - r0);
+      for (Index m = 0; m < rows; ++m) {
+        rowsW[m] = W + (r0 + m) * dp;
+        out[m] = s[r0 + m] + g * kGroup;
+      }
+      if (rows == 1)
+        pairedRows<1>(rowsW, ws + r0, d, codes, out);
+      else
+        pairedRows<2>(rowsW, ws + r0, d, codes, out);
+    }
+  }
+}
+
+#undef SDPA_QUANT_TARGET
+}  // namespace avx2
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -493,11 +720,13 @@ void logitsGroups(const float* const* a, Index R, const unsigned char* const* gr
     const int isa = intDotIsa();
     if (isa == 2) return avx512::vnni::logitsPaired(a, R, groups, n, d, s, as);
     if (isa == 1) return avx512::bw::logitsPaired(a, R, groups, n, d, s, as);
+    if (IsaChoice::current() >= Isa::Avx2) return avx2::logitsPaired(a, R, groups, n, d, s, as);
 #endif
     logitsPairedPortable(a, R, groups, n, d, s, as);
   } else {
 #if SDPA_HAS_ISA_DISPATCH
     if (IsaChoice::current() >= Isa::Avx512) return avx512::logitsGroups<F>(a, R, groups, n, d, s, as);
+    if (IsaChoice::current() == Isa::Avx2) return avx2::logitsGroups<F>(a, R, groups, n, d, s, as);
 #endif
     logitsGroupsPortable<F>(a, R, groups, n, d, s, as);
   }
@@ -510,6 +739,7 @@ void valuesGroups(const float* const* p, Index R, const unsigned char* const* gr
                   float* const* dots, float* acc) {
 #if SDPA_HAS_ISA_DISPATCH
   if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots, acc);
+  if (IsaChoice::current() == Isa::Avx2) return avx2::valuesGroups<F>(p, R, groups, n, d, dots, acc);
 #else
   (void)acc;
 #endif

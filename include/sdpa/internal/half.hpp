@@ -1,0 +1,316 @@
+#ifndef SDPA_INTERNAL_HALF_HPP
+#define SDPA_INTERNAL_HALF_HPP
+
+// Half and bfloat16 storage read as float: runs converted into a float buffer (halfToFloat), and
+// decoding's column kernels, which widen k and v in registers as they stream them (no float copy
+// of a column). Both pick F16C / AVX2 / AVX-512 at run time where the compiler can build them
+// (SDPA_HAS_ISA_DISPATCH), so that a build without -march gets them on every AVX2 CPU.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu.hpp"
+#include "macros.hpp"
+
+#if defined(__F16C__) || defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+#include <immintrin.h>
+#endif
+
+namespace sdpa::internal {
+
+#if defined(__F16C__) || SDPA_HAS_ISA_DISPATCH
+#if defined(__F16C__)
+#define SDPA_F16C_TARGET
+#else
+#define SDPA_F16C_TARGET __attribute__((target("avx,f16c")))
+#endif
+/// The first n - n % 8 of dst[i] = float(src[i]) by F16C, 8 lanes per instruction (16 where the
+/// translation unit is compiled for AVX-512); returns how many it converted.
+SDPA_F16C_TARGET inline Index halfToFloatF16c(const Eigen::half* src, float* dst, Index n) {
+  Index i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  return i;
+}
+#undef SDPA_F16C_TARGET
+#endif
+
+/**
+ * dst[i] = float(src[i]) for contiguous half or bfloat16 storage. Half takes F16C where the
+ * build targets it, else where the CPU has it (every AVX2 CPU; chosen at run time, capped by
+ * IsaChoice as the tile kernels are): 8 lanes per instruction instead of Eigen's scalar
+ * conversion, 13x faster (PERFORMANCE.md, decoding). bfloat16 is the upper half of a float, a
+ * shift the compiler vectorises.
+ */
+inline void halfToFloat(const Eigen::half* src, float* dst, Index n) {
+  Index i = 0;
+#if defined(__F16C__)
+  i = halfToFloatF16c(src, dst, n);
+#elif SDPA_HAS_ISA_DISPATCH
+  if (int(IsaChoice::current()) >= int(Isa::Avx2)) i = halfToFloatF16c(src, dst, n);
+#endif
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
+  const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
+  for (Index i = 0; i < n; ++i) {
+    const std::uint32_t word = std::uint32_t(bits[i]) << 16;
+    std::memcpy(dst + i, &word, sizeof(float));
+  }
+}
+
+#if defined(__AVX512F__)
+/// 16 half or bfloat16 values widened to float (bfloat16 is the upper half of a float): the
+/// loads of the decoding kernels written on Eigen's packets, in builds whose packets are AVX-512.
+inline __m512 load16(const Eigen::half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+inline __m512 load16(const Eigen::bfloat16* x) {
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+#endif
+
+/**
+ * Decoding's column kernels over half storage (fp16 or bf16): columns of n contiguous values at
+ * a column stride, widened in registers 32 keys (a cache line of each column) at a time.
+ * axpy: y += sum_c a[c] x_c, one fused multiply-add per column in column order for every key,
+ * so the logits are float's kernel's bits. dot: out[c] = sum_i p[i] x_c[i] in 16 partial sums
+ * (key i into sum i mod 16 of its block of 32, in order), added 0..15 and then the tail: the same
+ * bits on the AVX2 path (two vectors of 8 sums) as on the AVX-512 path (one of 16).
+ */
+namespace half_columns {
+
+/**
+ * Halves ahead of the loads that the kernels prefetch in each column: G short column streams at
+ * once (a key split holds a few thousand keys) outrun the hardware prefetcher. Measured with
+ * bench_decode (n_k 65536, d 128, fp16, 1 thread, AVX-512): no prefetch 1.74x the float run,
+ * 512 halves 1.94-2.01x, 1024 1.97-2.06x, 2048 1.55x.
+ */
+inline constexpr Index kPrefetch = 1024;
+
+#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+template <typename H>
+inline void prefetch(const H* x) {
+  // A prefetch never faults; the address is formed as an integer, as it may lie past the array.
+  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x) + std::uintptr_t(kPrefetch) * sizeof(H);
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+}
+
+// GCC 12 warns of uninitialised values inside its own AVX-512 intrinsics (as forward_fast.hpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace avx512 {
+#define SDPA_HALF_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+SDPA_HALF_TARGET inline __m512 widen(const Eigen::half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+SDPA_HALF_TARGET inline __m512 widen(const Eigen::bfloat16* x) {
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+
+/// y (n) += sum_c a[c] x_c over G columns x_c = x + c stride: y is read and written once per G
+/// columns instead of once per column.
+template <int G, typename H>
+SDPA_HALF_TARGET void axpy(const float* a, const H* x, Index stride, float* y, Index n) {
+  __m512 va[G];
+  for (int c = 0; c < G; ++c) va[c] = _mm512_set1_ps(a[c]);
+  Index i = 0;
+  // No prefetch past the end of the columns' run: a chunk of 2048 keys would fetch half as much
+  // again for nothing (the next chunk's start is the hardware prefetcher's).
+  const Index ahead = n - kPrefetch;
+  for (; i + 32 <= n; i += 32) {
+    __m512 lo = _mm512_loadu_ps(y + i), hi = _mm512_loadu_ps(y + i + 16);
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      if (i < ahead) prefetch(xc);
+      lo = _mm512_fmadd_ps(va[c], widen(xc), lo);
+      hi = _mm512_fmadd_ps(va[c], widen(xc + 16), hi);
+    }
+    _mm512_storeu_ps(y + i, lo);
+    _mm512_storeu_ps(y + i + 16, hi);
+  }
+  for (; i < n; ++i)
+    for (int c = 0; c < G; ++c) y[i] = std::fma(a[c], float(x[c * stride + i]), y[i]);
+}
+
+/// out[c] = sum_i p[i] x_c[i] for G columns x_c = x + c stride: p is read once for G dots.
+template <int G, typename H>
+SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, float* out) {
+  __m512 acc[G];
+  for (int c = 0; c < G; ++c) acc[c] = _mm512_setzero_ps();
+  Index i = 0;
+  const Index ahead = n - kPrefetch;  // as in axpy
+  for (; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(p + i), hi = _mm512_loadu_ps(p + i + 16);
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      if (i < ahead) prefetch(xc);
+      acc[c] = _mm512_fmadd_ps(hi, widen(xc + 16), _mm512_fmadd_ps(lo, widen(xc), acc[c]));
+    }
+  }
+  for (int c = 0; c < G; ++c) {
+    // Not _mm512_reduce_add_ps: GCC 12 warns inside it (-Wuninitialized on _mm256_undefined_pd).
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[c]);
+    float sum = 0;
+    for (const float l : lanes) sum += l;
+    for (Index t = i; t < n; ++t) sum = std::fma(p[t], float(x[c * stride + t]), sum);
+    out[c] = sum;
+  }
+}
+#undef SDPA_HALF_TARGET
+}  // namespace avx512
+
+#if SDPA_HAS_ISA_DISPATCH
+namespace avx2 {
+#define SDPA_HALF_TARGET __attribute__((target("avx2,fma,f16c")))
+SDPA_HALF_TARGET inline __m256 widen(const Eigen::half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+SDPA_HALF_TARGET inline __m256 widen(const Eigen::bfloat16* x) {
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+/// avx512::axpy with 8-lane vectors (the same fused multiply-adds per key).
+template <int G, typename H>
+SDPA_HALF_TARGET void axpy(const float* a, const H* x, Index stride, float* y, Index n) {
+  __m256 va[G];
+  for (int c = 0; c < G; ++c) va[c] = _mm256_set1_ps(a[c]);
+  Index i = 0;
+  const Index ahead = n - kPrefetch;
+  for (; i + 32 <= n; i += 32) {
+    __m256 y0 = _mm256_loadu_ps(y + i), y1 = _mm256_loadu_ps(y + i + 8), y2 = _mm256_loadu_ps(y + i + 16),
+           y3 = _mm256_loadu_ps(y + i + 24);
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      if (i < ahead) prefetch(xc);
+      y0 = _mm256_fmadd_ps(va[c], widen(xc), y0);
+      y1 = _mm256_fmadd_ps(va[c], widen(xc + 8), y1);
+      y2 = _mm256_fmadd_ps(va[c], widen(xc + 16), y2);
+      y3 = _mm256_fmadd_ps(va[c], widen(xc + 24), y3);
+    }
+    _mm256_storeu_ps(y + i, y0);
+    _mm256_storeu_ps(y + i + 8, y1);
+    _mm256_storeu_ps(y + i + 16, y2);
+    _mm256_storeu_ps(y + i + 24, y3);
+  }
+  for (; i < n; ++i)
+    for (int c = 0; c < G; ++c) y[i] = std::fma(a[c], float(x[c * stride + i]), y[i]);
+}
+
+/// avx512::dot's 16 partial sums per column as two vectors (keys i..i+7 and i+16..i+23 into the
+/// first, i+8..i+15 and i+24..i+31 into the second), four columns per pass over p (16 vector
+/// registers).
+template <int G, typename H>
+SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, float* out) {
+  constexpr int kPass = G < 4 ? G : 4;
+  static_assert(G % kPass == 0, "dot takes 1, 2, 4 or a multiple of 4 columns");
+  const Index ahead = n - kPrefetch;
+  for (int c0 = 0; c0 < G; c0 += kPass) {
+    __m256 lo[kPass], hi[kPass];
+    for (int c = 0; c < kPass; ++c) lo[c] = hi[c] = _mm256_setzero_ps();
+    Index i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256 p0 = _mm256_loadu_ps(p + i), p1 = _mm256_loadu_ps(p + i + 8), p2 = _mm256_loadu_ps(p + i + 16),
+                   p3 = _mm256_loadu_ps(p + i + 24);
+      for (int c = 0; c < kPass; ++c) {
+        const H* xc = x + (c0 + c) * stride + i;
+        if (i < ahead) prefetch(xc);
+        lo[c] = _mm256_fmadd_ps(p2, widen(xc + 16), _mm256_fmadd_ps(p0, widen(xc), lo[c]));
+        hi[c] = _mm256_fmadd_ps(p3, widen(xc + 24), _mm256_fmadd_ps(p1, widen(xc + 8), hi[c]));
+      }
+    }
+    for (int c = 0; c < kPass; ++c) {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, lo[c]);
+      _mm256_store_ps(lanes + 8, hi[c]);
+      float sum = 0;
+      for (const float l : lanes) sum += l;
+      for (Index t = i; t < n; ++t) sum = std::fma(p[t], float(x[(c0 + c) * stride + t]), sum);
+      out[c0 + c] = sum;
+    }
+  }
+}
+#undef SDPA_HALF_TARGET
+}  // namespace avx2
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+
+/// Which column kernels this process runs: AVX-512 or AVX2 (with F16C, which every AVX2 CPU
+/// has) by IsaChoice, AVX-512 in a build for it without run-time dispatch; none elsewhere
+/// (the callers then convert columns with halfToFloat).
+enum class Path { None, Avx2, Avx512 };
+inline Path path() {
+#if SDPA_HAS_ISA_DISPATCH
+  const Isa isa = IsaChoice::current();
+  return int(isa) >= int(Isa::Avx512) ? Path::Avx512 : isa == Isa::Avx2 ? Path::Avx2 : Path::None;
+#elif defined(__AVX512F__)
+  return Path::Avx512;
+#else
+  return Path::None;
+#endif
+}
+
+/// y += sum_c a[c] x_c (G columns, see above) on `path` (not None).
+template <int G, typename H>
+void axpy(Path path, const float* a, const H* x, Index stride, float* y, Index n) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (path == Path::Avx2) return avx2::axpy<G>(a, x, stride, y, n);
+#endif
+#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+  avx512::axpy<G>(a, x, stride, y, n);
+#else
+  (void)path, (void)a, (void)x, (void)stride, (void)y, (void)n;
+#endif
+}
+
+/// out[c] = sum_i p[i] x_c[i] (G columns, see above) on `path` (not None).
+template <int G, typename H>
+void dot(Path path, const float* p, const H* x, Index stride, Index n, float* out) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (path == Path::Avx2) return avx2::dot<G>(p, x, stride, n, out);
+#endif
+#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+  avx512::dot<G>(p, x, stride, n, out);
+#else
+  (void)path, (void)p, (void)x, (void)stride, (void)n, (void)out;
+#endif
+}
+
+/// The d columns of a decoding step, 8 at a time then one by one: s (n) += sum_c a[c] x_c.
+template <typename H>
+void axpyAll(Path path, const float* a, const H* x, Index stride, Index d, float* s, Index n) {
+  Index c = 0;
+  for (; c + 8 <= d; c += 8) axpy<8>(path, a + c, x + c * stride, stride, s, n);
+  for (; c < d; ++c) axpy<1>(path, a + c, x + c * stride, stride, s, n);
+}
+
+/// dots[c] = p . x_c for the d columns, 8 at a time then one by one.
+template <typename H>
+void dotAll(Path path, const float* p, const H* x, Index stride, Index d, Index n, float* dots) {
+  Index c = 0;
+  for (; c + 8 <= d; c += 8) dot<8>(path, p, x + c * stride, stride, n, dots + c);
+  for (; c < d; ++c) dot<1>(path, p, x + c * stride, stride, n, dots + c);
+}
+
+}  // namespace half_columns
+
+}  // namespace sdpa::internal
+
+#endif  // SDPA_INTERNAL_HALF_HPP
