@@ -81,16 +81,31 @@ struct ChunkPrefetch {
   }
   /// Spreads the runs' lines over `calls` calls of step.
   void spreadOver(Index calls) { steps = std::max<Index>(1, calls); }
-  void step() {
-    for (credit += lines; credit >= steps && run < runs.size(); credit -= steps) {
-      // Line `line` of the run holds byte 64 line of it, or (the last line) its last byte.
-      const Run& r = runs[run];
-      __builtin_prefetch(r.p + std::min(line * 64, r.bytes - 1), 0, 2);
-      if (++line == r.lines) {
-        ++run;
-        line = 0;
+
+  /// The stepping state as a kernel's local (its counters in registers): stepped through the
+  /// struct, every call's counters went to memory and back, a store-to-load chain in the
+  /// multi-row kernels' inner loops (one call per column of 8 multiply-adds with AVX2).
+  struct Cursor {
+    const Run* runs = nullptr;
+    size_t count = 0, run = 0;
+    Index line = 0, credit = 0, lines = 0, steps = 1;
+    void step() {
+      for (credit += lines; credit >= steps && run < count; credit -= steps) {
+        // Line `line` of the run holds byte 64 line of it, or (the last line) its last byte.
+        const Run& r = runs[run];
+        __builtin_prefetch(r.p + std::min(line * 64, r.bytes - 1), 0, 2);
+        if (++line == r.lines) {
+          ++run;
+          line = 0;
+        }
       }
     }
+  };
+  Cursor cursor() const { return {runs.data(), runs.size(), run, line, credit, lines, steps}; }
+  void save(const Cursor& c) {
+    run = c.run;
+    line = c.line;
+    credit = c.credit;
   }
 };
 
@@ -116,6 +131,8 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
+  ChunkPrefetch::Cursor cursor;
+  if constexpr (Wide) cursor = pf->cursor();
   for (Index c0 = 0; c0 < dV; c0 += kCols) {
     const Index cols = std::min(kCols, dV - c0);
     Packet acc[Rows][kCols];
@@ -133,7 +150,7 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
       for (Index c = 0; c < kCols; ++c) vc[c] = sp.v + (c0 + std::min(c, cols - 1)) * sp.ld;
       if (cols == kCols) {
         for (Index j = 0; j < whole; j += W) {
-          if constexpr (Wide) pf->step();
+          if constexpr (Wide) cursor.step();
           Packet pm[Rows];
           for (int m = 0; m < Rows; ++m) pm[m] = ei::ploadu<Packet>(pr[m] + j);
           for (Index c = 0; c < kCols; ++c) {
@@ -155,6 +172,7 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
     for (int m = 0; m < Rows; ++m)
       for (Index c = 0; c < cols; ++c) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
   }
+  if constexpr (Wide) pf->save(cursor);
 }
 
 /// The rows in wide blocks (kWideValueRows rows, kWideValueCols columns per pass) while at least
@@ -184,8 +202,8 @@ inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, 
   }
 }
 
-/// A packet of floats from float storage, or (AVX-512 builds: kHalfPackets) of half or bfloat16
-/// widened, so that the kernels below read short half pieces in place.
+/// A packet of floats from float storage, or (builds for AVX-512, or AVX2 and F16C: kHalfPackets)
+/// of half or bfloat16 widened, so that the kernels below read short half pieces in place.
 inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
   return Eigen::internal::ploadu<Eigen::internal::packet_traits<float>::type>(x);
 }
@@ -193,6 +211,15 @@ inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
 inline constexpr bool kHalfPackets = true;
 inline __m512 loadFloats(const Eigen::half* x) { return load16(x); }
 inline __m512 loadFloats(const Eigen::bfloat16* x) { return load16(x); }
+#elif defined(__AVX2__) && defined(__F16C__)  // (Eigen's packets: 8 floats)
+inline constexpr bool kHalfPackets = true;
+inline __m256 loadFloats(const Eigen::half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline __m256 loadFloats(const Eigen::bfloat16* x) {
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
 #else
 inline constexpr bool kHalfPackets = false;
 #endif
@@ -248,6 +275,7 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
     q[m] = a[m];
     out[m] = s[m];
   }
+  ChunkPrefetch::Cursor cursor = pf.cursor();
   for (Index c0 = 0; c0 < d; c0 += kCols) {
     const Index c1 = std::min(d, c0 + kCols);
     Index j = 0;
@@ -257,7 +285,7 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
         for (int b = 0; b < J; ++b) acc[m][b] = ei::ploadu<Packet>(out[m] + j + b * W);
       const T* kj = k + j + c0 * ldk;
       for (Index c = c0; c < c1; ++c, kj += ldk) {
-        pf.step();
+        cursor.step();
         Packet x[J];
         for (int b = 0; b < J; ++b) x[b] = loadFloats(kj + b * W);
         for (int m = 0; m < Rows; ++m) {
@@ -284,6 +312,7 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
         out[m][j] = t;
       }
   }
+  pf.save(cursor);
 }
 
 /// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic): wide blocks
