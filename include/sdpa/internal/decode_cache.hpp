@@ -622,6 +622,15 @@ struct decode_cache_impl {
       if (plan.cut[size_t(t)].count < kFusedRun && chunk.last - chunk.first > 1) return false;
     return true;
   }
+  /// The column kernels' path for a chunk of half storage in long pieces; None otherwise (other
+  /// storage, short pieces, a CPU without F16C).
+  static half_columns::Path halfColumns(const Plan& plan, const Chunk& chunk) {
+    if constexpr (IsHalfScalar<Plain>) {
+      const auto path = half_columns::path();
+      if (path != half_columns::Path::None && fusedHalf(plan, chunk)) return path;
+    }
+    return half_columns::Path::None;
+  }
 
   template <typename T>
   static const T* at(const unsigned char* base, Index headBytes, Index h) {
@@ -669,20 +678,20 @@ struct decode_cache_impl {
           if (!n2.quantised) prefetchRun(at<Plain>(n2.k, n2.kHead, h), (dK - 1) * n2.ld + n2.count);
         }
       }
-      if constexpr (std::is_same_v<Plain, float>) {
-        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);
-      } else if constexpr (std::is_same_v<Plain, double>) {
+      if constexpr (std::is_same_v<Plain, double>) {
         const Eigen::Map<const Matrix<double>, 0, Eigen::OuterStride<>> km(k, p.count, dK, Eigen::OuterStride<>(p.ld));
         for (Index r = 0; r < R; ++r)
           Eigen::Map<Vector<double>>(sc.rowsO[size_t(r)], p.count).noalias() +=
               km * Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)], dK);
-      } else if (const auto path = half_columns::path(); path != half_columns::Path::None && fusedHalf(plan, chunk)) {
-        // Long pieces: widened in registers (AVX2 or AVX-512, at run time), 8 columns per pass
-        // over a row of logits, with prefetching; float's kernel's bits.
-        for (Index r = 0; r < R; ++r)
-          half_columns::axpyAll(path, sc.rowsA[size_t(r)], k, p.ld, dK, sc.rowsO[size_t(r)], p.count);
-      } else if constexpr (kHalfPackets) {
-        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);  // short pieces, in place
+      } else if (const auto path = halfColumns(plan, chunk); path != half_columns::Path::None) {
+        // Long half pieces: widened in registers (AVX2 or AVX-512, at run time), 8 columns per
+        // pass over a row of logits, with prefetching; float's kernel's bits.
+        if constexpr (IsHalfScalar<Plain>)
+          for (Index r = 0; r < R; ++r)
+            half_columns::axpyAll(path, sc.rowsA[size_t(r)], k, p.ld, dK, sc.rowsO[size_t(r)], p.count);
+      } else if constexpr (std::is_same_v<Plain, float> || kHalfPackets) {
+        // Float storage, or short half pieces widened in Eigen's packets: in place.
+        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch);
       } else {
         // Short pieces (or no F16C): the piece's columns converted into L1/L2 (halfToFloat), then
         // float's kernel.
@@ -719,7 +728,7 @@ struct decode_cache_impl {
       }
     } else {
       if constexpr (IsHalfScalar<Plain>) {
-        if (const auto path = half_columns::path(); path != half_columns::Path::None && fusedHalf(plan, chunk)) {
+        if (const auto path = halfColumns(plan, chunk); path != half_columns::Path::None) {
           // Half storage widened in registers: each piece's dots, 8 columns per pass over the weights.
           float* part = sc.vf.get(dV);
           for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);

@@ -97,9 +97,10 @@ inline constexpr Index kPrefetch = 1024;
 #if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
 template <typename H>
 inline void prefetch(const H* x) {
-  // A prefetch never faults; the address is formed as an integer, as it may lie past the array.
+  // A prefetch never faults; the address is formed as an integer, as it may lie past the array
+  // (pointer arithmetic there would be undefined).
   const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x) + std::uintptr_t(kPrefetch) * sizeof(H);
-  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);  // NOLINT(performance-no-int-to-ptr)
 }
 
 // GCC 12 warns of uninitialised values inside its own AVX-512 intrinsics (as forward_fast.hpp).

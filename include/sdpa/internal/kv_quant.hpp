@@ -482,12 +482,12 @@ inline constexpr Index kRows = 2;
 template <typename F>
 SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
   if constexpr (F::Bits == 8) {
-    for (int h = 0; h < 4; ++h)
+    for (Index h = 0; h < 4; ++h)
       x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
   } else {
     // Byte i holds key i (low nibble) and key i + 16 (high), each code + 8.
     const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
-    for (int h = 0; h < 2; ++h) {
+    for (Index h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h)));
       x[h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low), eight));
       x[h + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
@@ -501,17 +501,17 @@ template <typename F, int Rows>
 SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out) {
   __m256 acc[Rows][4];
   for (int m = 0; m < Rows; ++m)
-    for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
+    for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
   for (Index c = 0; c < d; ++c) {
     __m256 x[4];
     load32<F>(codes + c * kCodeBytes<F>, x);
     for (int m = 0; m < Rows; ++m) {
       const __m256 w = _mm256_set1_ps(as[m][c]);
-      for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_fmadd_ps(w, x[h], acc[m][h]);
+      for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_fmadd_ps(w, x[h], acc[m][h]);
     }
   }
   for (int m = 0; m < Rows; ++m)
-    for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out[m] + 8 * h, acc[m][h]);
+    for (Index h = 0; h < 4; ++h) _mm256_storeu_ps(out[m] + 8 * h, acc[m][h]);
 }
 
 template <typename F>
@@ -557,7 +557,7 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
     __m256 pv[Rows][4];
     for (int m = 0; m < Rows; ++m)
-      for (int h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
+      for (Index h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
     for (Index c0 = 0; c0 < d; c0 += 8) {
       const Index cols = std::min<Index>(8, d - c0);
       alignas(32) float sc8[8];
@@ -642,21 +642,21 @@ SDPA_QUANT_TARGET void pairedRows(const std::int16_t* const* W, const float* ws,
     const Index p1 = std::min(pairs, p0 + kIntChannels / 2);
     __m256i acc[Rows][4];
     for (int m = 0; m < Rows; ++m)
-      for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_setzero_si256();
+      for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_setzero_si256();
     for (Index p = p0; p < p1; ++p) {
       const unsigned char* cp = codes + p * 2 * kGroup;
       __m256i x[4];  // keys 8 h .. 8 h + 7, each its two channels' codes as int16
-      for (int h = 0; h < 4; ++h)
+      for (Index h = 0; h < 4; ++h)
         x[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + 16 * h)));
       for (int m = 0; m < Rows; ++m) {
         std::int32_t pair;
         std::memcpy(&pair, W[m] + 2 * p, sizeof pair);
         const __m256i w = _mm256_set1_epi32(pair);
-        for (int h = 0; h < 4; ++h) acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(x[h], w));
+        for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(x[h], w));
       }
     }
     for (int m = 0; m < Rows; ++m)
-      for (int h = 0; h < 4; ++h)
+      for (Index h = 0; h < 4; ++h)
         _mm256_storeu_ps(out[m] + 8 * h, _mm256_fmadd_ps(_mm256_set1_ps(ws[m]), _mm256_cvtepi32_ps(acc[m][h]),
                                                          _mm256_loadu_ps(out[m] + 8 * h)));
   }
