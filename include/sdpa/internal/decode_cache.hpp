@@ -209,17 +209,12 @@ inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
 }
 #if defined(__AVX512F__)
 inline constexpr bool kHalfPackets = true;
-inline __m512 loadFloats(const Eigen::half* x) { return load16(x); }
-inline __m512 loadFloats(const Eigen::bfloat16* x) { return load16(x); }
-#elif defined(__AVX2__) && defined(__F16C__)  // (Eigen's packets: 8 floats)
+inline __m512 loadFloats(const Eigen::half* x) { return half_columns::avx512::widen(x); }
+inline __m512 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx512::widen(x); }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)  // (Eigen's packets: 8 floats)
 inline constexpr bool kHalfPackets = true;
-inline __m256 loadFloats(const Eigen::half* x) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-}
-inline __m256 loadFloats(const Eigen::bfloat16* x) {
-  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
+inline __m256 loadFloats(const Eigen::half* x) { return half_columns::avx2::widen(x); }
+inline __m256 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); }
 #else
 inline constexpr bool kHalfPackets = false;
 #endif

@@ -64,18 +64,6 @@ inline void halfToFloat(const Eigen::bfloat16* src, float* dst, Index n) {
   }
 }
 
-#if defined(__AVX512F__)
-/// 16 half or bfloat16 values widened to float (bfloat16 is the upper half of a float): the
-/// loads of the decoding kernels written on Eigen's packets, in builds whose packets are AVX-512.
-inline __m512 load16(const Eigen::half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-inline __m512 load16(const Eigen::bfloat16* x) {
-  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-}
-#endif
-
 /**
  * Decoding's column kernels over half storage (fp16 or bf16): columns of n contiguous values at
  * a column stride, widened in registers 32 keys (a cache line of each column) at a time.
@@ -94,7 +82,7 @@ namespace half_columns {
  */
 inline constexpr Index kPrefetch = 1024;
 
-#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 template <typename H>
 inline void prefetch(const H* x) {
   // A prefetch never faults; the address is formed as an integer, as it may lie past the array
@@ -110,8 +98,11 @@ inline void prefetch(const H* x) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#if defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
 namespace avx512 {
 #define SDPA_HALF_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+/// 16 half or bfloat16 values widened to float (bfloat16 is the upper half of a float); also the
+/// loads of decode_cache.hpp's kernels on Eigen's packets, in builds whose packets are AVX-512.
 SDPA_HALF_TARGET inline __m512 widen(const Eigen::half* x) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
@@ -172,10 +163,12 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
 }
 #undef SDPA_HALF_TARGET
 }  // namespace avx512
+#endif
 
-#if SDPA_HAS_ISA_DISPATCH
+#if SDPA_HAS_ISA_DISPATCH || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 namespace avx2 {
 #define SDPA_HALF_TARGET __attribute__((target("avx2,fma,f16c")))
+/// 8 values widened to float; also decode_cache.hpp's loads on Eigen's packets in AVX2 builds.
 SDPA_HALF_TARGET inline __m256 widen(const Eigen::half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
@@ -251,7 +244,7 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif  // defined(__AVX512F__) || SDPA_HAS_ISA_DISPATCH
+#endif  // AVX-512, AVX2 + F16C + FMA or run-time dispatch
 
 /// Which column kernels this process runs: AVX-512 or AVX2 (with F16C, which every AVX2 CPU
 /// has) by IsaChoice, AVX-512 in a build for it without run-time dispatch; none elsewhere
