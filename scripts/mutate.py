@@ -14,7 +14,7 @@ with the argument and left out of the score. A mutant whose change does not comp
     scripts/mutate.py                  # every mutant, 2 at a time; writes build/mutate/report.md
     scripts/mutate.py -k tiled -j 1    # those whose id contains "tiled"
     scripts/mutate.py --check          # only check that every pattern occurs exactly once
-    scripts/mutate.py --native -k half # with -march=native (code behind __AVX512F__ / __F16C__)
+    scripts/mutate.py --native -k half # with -march=native (code behind __AVX512F__ / __F16C__ / __AVX2__)
 
 Not part of CI (about 30-60 minutes on 2 cores); README's testing section records the last score.
 """
@@ -132,13 +132,20 @@ MUTANTS = [
      "  TileSizes t = d <= 32 ? TileSizes{128, 512} : TileSizes{256, 256};",
      "  TileSizes t = d <= 32 ? TileSizes{128, 512} : TileSizes{256, 255};",
      ["test_tiled.cpp", "test_decode.cpp", "test_special_values.cpp"], "equivalent: another key tile size changes only rounding"),
-    ("tiled-half-tail", "internal/forward_tiled.hpp",
-     "    for (int c = 0; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);",
-     "    for (int c = 1; c < G; ++c) y[i] += a[c] * float(x[c * stride + i]);",
-     ["test_tiled.cpp", "test_decode.cpp", "test_half.cpp"], "fused half decoding drops a column in its tail (compiled only with --native)"),
-    ("tiled-half-lanes", "internal/forward_tiled.hpp",
-     "      hi = _mm512_fmadd_ps(va[c], load16(xc + 16), hi);", "",
-     ["test_tiled.cpp", "test_decode.cpp", "test_half.cpp"], "fused AVX-512 half decoding drops half its lanes (#21's survivor; compiled only with --native)"),
+    ("half-axpy-lanes", "internal/half.hpp",
+     "      y3 = _mm256_fmadd_ps(va[c], widen(xc + 24), y3);", "",
+     ["test_tiled.cpp", "test_decode.cpp", "test_half.cpp"], "AVX2 half decoding drops a quarter of its logits' lanes"),
+    ("half-dot-lanes", "internal/half.hpp",
+     "        hi[c] = _mm256_fmadd_ps(p3, widen(xc + 24), _mm256_fmadd_ps(p1, widen(xc + 8), hi[c]));",
+     "        hi[c] = _mm256_fmadd_ps(p3, widen(xc + 16), _mm256_fmadd_ps(p1, widen(xc + 8), hi[c]));",
+     ["test_tiled.cpp", "test_decode.cpp", "test_half.cpp"], "AVX2 half decoding reads the wrong keys in its values' dots"),
+    ("half-avx512-lanes", "internal/half.hpp",
+     "      hi = _mm512_fmadd_ps(va[c], widen(xc + 16), hi);", "",
+     ["test_tiled.cpp", "test_decode.cpp", "test_half.cpp"], "AVX-512 half decoding drops half its lanes (#21's survivor; survives where the CPU has no AVX-512)"),
+    ("quant-avx2-q4-high", "internal/kv_quant.hpp",
+     "      x[h + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));",
+     "      x[h + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 3), eight));",
+     ["test_kv_cache.cpp"], "AVX2 q4 widening reads the high nibbles wrong"),
     ("tiled-skip-zeros", "internal/forward_tiled.hpp",
      "        addProductSkippingZeros(s, vt, acc);  // a GEMM unless this v tile holds NaN or inf",
      "        acc.noalias() += s * vt;",
@@ -384,7 +391,7 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "build", "mutate"))
     ap.add_argument("--report", metavar="LOG", help="only rebuild the report from a run's printed lines")
     ap.add_argument("--native", action="store_true",
-                    help="compile with -march=native (the ISA-specific paths; the fused-half mutant needs it)")
+                    help="compile with -march=native (the paths chosen at compile time: Eigen's packets, short half pieces)")
     args = ap.parse_args()
     global NATIVE
     NATIVE = args.native
