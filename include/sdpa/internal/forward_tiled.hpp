@@ -386,6 +386,8 @@ struct forward_tiled_impl {
     // read d short segments d_k pages apart) and half storage converts in registers.
     const bool decode = bq <= kDecodeRows;
     const Index chunk = decode ? decodeKeys(dK, dV) : bk;
+    // Half storage's decoding column kernels (AVX2 or AVX-512), or None: convert column by column.
+    const half_columns::Path halfPath = IsHalfScalar<In> ? half_columns::path() : half_columns::Path::None;
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
       const mask::Tile t = mask.classify(i0, bq, j0, cols, nQ, nK, head);
@@ -403,9 +405,9 @@ struct forward_tiled_impl {
           }
         } else if constexpr (IsHalfScalar<In>) {
           s.setZero();
-          if (const auto path = half_columns::path(); path != half_columns::Path::None) {
+          if (halfPath != half_columns::Path::None) {
             for (Index r = 0; r < bq; ++r)
-              half_columns::axpyAll(path, &qs(r, 0), &kChunk.coeffRef(0, 0), k.derived().outerStride(), dK,
+              half_columns::axpyAll(halfPath, &qs(r, 0), &kChunk.coeffRef(0, 0), k.derived().outerStride(), dK,
                                     s.row(r).data(), cols);
           } else {
             logitsByColumn(k, qs, j0, cols, s, sc);
@@ -450,10 +452,10 @@ struct forward_tiled_impl {
             }
           } else if constexpr (std::is_same_v<In, float>) {
             dots.transpose().noalias() = s.row(r) * vChunk;
-          } else if (const auto path = half_columns::path(); IsHalfScalar<In> && path != half_columns::Path::None) {
+          } else if (halfPath != half_columns::Path::None) {
             if constexpr (IsHalfScalar<In>)
-              half_columns::dotAll(path, s.row(r).data(), &vChunk.coeffRef(0, 0), v.derived().outerStride(), dV, cols,
-                                   dots.data());
+              half_columns::dotAll(halfPath, s.row(r).data(), &vChunk.coeffRef(0, 0), v.derived().outerStride(), dV,
+                                   cols, dots.data());
           } else {
             for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
           }
