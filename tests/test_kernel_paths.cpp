@@ -541,10 +541,13 @@ TEST_CASE("every ISA path of the float backward matches the fp64 reference  [see
 }
 
 TEST_CASE("the float backward keeps or recomputes a block's tiles: both within the rule", "[tiled][isa][backward]") {
-  // A block of 128 query rows keeps its logits and dP against every key while they fit 64 MiB
-  // (fast::kBackwardFastCacheBytes): 66000 keys do not, and the second pass recomputes them.
-  // (The fast paths only: the general tiles' own recomputation is test_tiled.cpp's.)
-  const Index nQ = 97, nK = 66000, d = 3;
+  // A block keeps its logits and dP against every key while 2 x 4 bytes x lanes x n_k fit 64 MiB
+  // (fast::backwardCaches), lanes its rows rounded up to the lane group (16 on AVX2, 32 on
+  // AVX-512): 113 rows are 128 lanes on both, and against 66000 keys (more than 65536) the
+  // second pass recomputes them. Keeping them is what every shorter test runs. (The fast paths
+  // only: the general tiles' own recomputation is test_tiled.cpp's.)
+  const Index nQ = 113, nK = 66000, d = 3;
+  REQUIRE_FALSE(sdpa::internal::fast::backwardCaches(128, nK));
   const Mat<float> q = randn<float>(nQ, d, 1, 2.0), k = randn<float>(nK, d, 2), v = randn<float>(nK, d, 3),
                    dO = randn<float>(nQ, d, 4);
   const long double tau = 1.0L / std::sqrt(3.0L);

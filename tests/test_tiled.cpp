@@ -48,6 +48,9 @@ TEMPLATE_TEST_CASE("tiled forward matches the fp64 reference for d_k up to 256 a
   const std::vector<std::pair<Index, Index>> sizes = {{1, 300}, {67, 45}, {130, 257}};
   for (const Index dK : {1, 3, 16, 64, 100, 256})
     for (const auto& [nQ, nK] : sizes) {
+      // d 256 over several default tiles is test_kernel_paths.cpp's ({21, 61, 256, 7}, every ISA);
+      // here Tiled{7, 33} cuts 67 x 45 into tiles (the largest case under the sanitizers' cost).
+      if (dK == 256 && nQ == 130) continue;
       const Index dV = dK == 100 ? 37 : dK;
       INFO("n_q " << nQ << ", n_k " << nK << ", d_k " << dK << ", d_v " << dV);
       const Mat<T> q = randn<T>(nQ, dK, ++seed), k = randn<T>(nK, dK, ++seed), v = randn<T>(nK, dV, ++seed);
