@@ -64,8 +64,7 @@ void checkAgainstWhole(const sdpa::KvSequence<Storage>& seq, const Mat<float>& q
       if (std::isinf(g)) {
         CHECK(c == -std::numeric_limits<double>::infinity());
       } else {
-        CHECK(std::abs(c - g) <=
-              sdpa_test::errorBound<Acc>(std::abs(double(plain.logSumExp.data()[i]) - g), lseScale));
+        CHECK(std::abs(c - g) <= sdpa_test::errorBound<Acc>(std::abs(double(plain.logSumExp.data()[i]) - g), lseScale));
       }
     }
     CHECK(got.output.allFinite());
