@@ -310,6 +310,85 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
   pf.save(cursor);
 }
 
+/**
+ * Whether a piece's columns lie close together (a paged block: its d runs of keys back to back,
+ * at most 2 KiB apart): the kernels then read it in address order, a column at a time. Eight
+ * columns side by side (the long pieces' order, below) read a block as eight interleaved runs of
+ * a few hundred bytes each, which the hardware prefetcher of some CPUs does not follow: on an AMD
+ * EPYC (session 24) paged blocks of 16-512 keys took 1.6-2.3x the contiguous cache's time for
+ * the same kernels over the same bytes; in column order, about the same time.
+ */
+template <typename T>
+bool columnsClose(Index ld) {
+  return ld * Index(sizeof(T)) <= 2048;
+}
+
+/// logitsRowsFixed over a piece of at most J key packets (a paged block of 16 or 32 keys): the
+/// packets' partial sums in registers over all d columns, read in address order.
+template <int Rows, int J, typename T>
+void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d, float* const* s) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  Packet acc[Rows][J];
+  for (int m = 0; m < Rows; ++m)
+    for (int b = 0; b < J; ++b) acc[m][b] = ei::ploadu<Packet>(s[m] + b * W);
+  for (Index c = 0; c < d; ++c) {
+    Packet x[J];
+    for (int b = 0; b < J; ++b) x[b] = loadFloats(k + b * W + c * ldk);
+    for (int m = 0; m < Rows; ++m) {
+      const Packet qm = ei::pset1<Packet>(a[m][c]);
+      for (int b = 0; b < J; ++b) acc[m][b] = ei::pmadd(qm, x[b], acc[m][b]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int b = 0; b < J; ++b) ei::pstoreu(s[m] + b * W, acc[m][b]);
+}
+
+/// logitsRowsFixed for a piece whose columns are close (columnsClose), in address order: one
+/// column at a time over the piece's keys (the logits in L1 between columns), or all columns
+/// over key packets held in registers where the piece has at most four. The same arithmetic per
+/// (row, key): columns in order, one FMA each.
+template <int Rows, typename T>
+void logitsRowsByColumn(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  const Index whole = n / W * W;
+  switch (whole / W) {
+    case 0:
+      break;
+    case 1:
+      logitsKeysInRegisters<Rows, 1>(a, k, ldk, d, s);
+      break;
+    case 2:
+      logitsKeysInRegisters<Rows, 2>(a, k, ldk, d, s);
+      break;
+    case 3:
+      logitsKeysInRegisters<Rows, 3>(a, k, ldk, d, s);
+      break;
+    case 4:
+      logitsKeysInRegisters<Rows, 4>(a, k, ldk, d, s);
+      break;
+    default:
+      for (Index c = 0; c < d; ++c) {
+        const T* kc = k + c * ldk;
+        Packet qm[Rows];
+        for (int m = 0; m < Rows; ++m) qm[m] = ei::pset1<Packet>(a[m][c]);
+        for (Index j = 0; j < whole; j += W) {
+          const Packet x = loadFloats(kc + j);
+          for (int m = 0; m < Rows; ++m) ei::pstoreu(s[m] + j, ei::pmadd(qm[m], x, ei::ploadu<Packet>(s[m] + j)));
+        }
+      }
+  }
+  for (Index j = whole; j < n; ++j)
+    for (int m = 0; m < Rows; ++m) {
+      float t = s[m][j];
+      for (Index c = 0; c < d; ++c) t = std::fma(a[m][c], float(k[j + c * ldk]), t);
+      s[m][j] = t;
+    }
+}
+
 /// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic): wide blocks
 /// while at least 8 rows are left, then at most 4 at a time.
 template <typename T>
@@ -319,29 +398,55 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
   if (R >= 8)
     for (; R - r0 >= kWideLogitRows; r0 += kWideLogitRows)
       logitsRowsWide<kWideLogitRows, kWideLogitPackets>(a + r0, k, ldk, d, n, s + r0, pf);
+  const bool close = columnsClose<T>(ldk);
   for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
       case 1:
-        logitsRowsFixed<1>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<1>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 2:
-        logitsRowsFixed<2>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<2>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 3:
-        logitsRowsFixed<3>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<3>(a + r0, k, ldk, d, n, s + r0);
         break;
       default:
-        logitsRowsFixed<4>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<4>(a + r0, k, ldk, d, n, s + r0);
         break;
     }
   }
 }
 
+/// valuesShortSpans's pass over one span for Rows rows: a column at a time over the span's keys
+/// (address order where the columns are close), the rows' partial sums of the column in
+/// registers, kept in acc (ld: the rows' stride in acc) between spans.
+template <int Rows, typename T>
+void valuesSpanByColumn(const float* const* pr, const SpanOf<T>& sp, Index dV, float* acc, Index ld, float* tail) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  const Index whole = sp.count / W * W;
+  for (Index c = 0; c < dV; ++c) {
+    const T* vc = sp.v + c * sp.ld;
+    Packet sum[Rows];
+    for (int m = 0; m < Rows; ++m) sum[m] = ei::ploadu<Packet>(acc + m * ld + c * W);
+    for (Index j = 0; j < whole; j += W) {
+      const Packet x = loadFloats(vc + j);
+      for (int m = 0; m < Rows; ++m) sum[m] = ei::pmadd(ei::ploadu<Packet>(pr[m] + j), x, sum[m]);
+    }
+    for (int m = 0; m < Rows; ++m) ei::pstoreu(acc + m * ld + c * W, sum[m]);
+    for (Index j = whole; j < sp.count; ++j)
+      for (int m = 0; m < Rows; ++m) tail[m * dV + c] = std::fma(pr[m][j], float(vc[j]), tail[m * dV + c]);
+  }
+}
+
 /**
- * valuesSpans for many short spans (a paged sequence's small blocks): each span read once, in
- * order, with the partial sums of every (row, column) kept in memory (acc: R d_v packets, in L1)
- * between spans. valuesSpans would walk every block once per four columns, touching a few cache
- * lines of each (a stride the hardware prefetcher does not follow).
+ * valuesSpans for spans whose columns are close (a paged sequence's blocks, columnsClose): each
+ * span read once, in address order (a column at a time), with the partial sums of every (row,
+ * column) kept in memory (acc: R d_v packets, in L1) between spans. valuesSpans would walk every
+ * block once per four columns, touching a few cache lines of each (a stride the hardware
+ * prefetcher does not follow). The same arithmetic as decodeValuesRows: a packet of partial sums
+ * per (row, column) over the keys in order, reduced, then the last keys one by one.
  */
 template <typename T>
 void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, Index nSpans, Index dV,
@@ -353,17 +458,34 @@ void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, In
   std::fill(tail, tail + R * dV, 0.0f);
   for (Index t = 0; t < nSpans; ++t) {
     const SpanOf<T>& sp = spans[t];
-    const Index whole = sp.count / W * W;
-    for (Index r = 0; r < R; ++r) {
-      const float* pr = p[r] + sp.offset;
-      float* ar = acc + r * dV * W;
-      for (Index j = 0; j < whole; j += W) {
-        const Packet pm = ei::ploadu<Packet>(pr + j);
-        for (Index c = 0; c < dV; ++c)
-          ei::pstoreu(ar + c * W, ei::pmadd(pm, loadFloats(sp.v + j + c * sp.ld), ei::ploadu<Packet>(ar + c * W)));
+    // Short spans (blocks of up to 32 keys, a few KiB each): the span after next requested now,
+    // as the logits' pieces (decode_cache_impl::logits).
+    if (t + 2 < nSpans && spans[t + 2].count <= 32) {
+      const SpanOf<T>& next = spans[t + 2];
+      const char* c = reinterpret_cast<const char*>(next.v);
+      const Index bytes = ((dV - 1) * next.ld + next.count) * Index(sizeof(T));
+      for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
+    }
+    const float* pr[4];
+    for (Index r0 = 0; r0 < R; r0 += 4) {
+      const Index rows = std::min<Index>(4, R - r0);
+      for (Index m = 0; m < rows; ++m) pr[m] = p[r0 + m] + sp.offset;
+      float* a = acc + r0 * dV * W;
+      float* tl = tail + r0 * dV;
+      switch (rows) {
+        case 1:
+          valuesSpanByColumn<1>(pr, sp, dV, a, dV * W, tl);
+          break;
+        case 2:
+          valuesSpanByColumn<2>(pr, sp, dV, a, dV * W, tl);
+          break;
+        case 3:
+          valuesSpanByColumn<3>(pr, sp, dV, a, dV * W, tl);
+          break;
+        default:
+          valuesSpanByColumn<4>(pr, sp, dV, a, dV * W, tl);
+          break;
       }
-      for (Index j = whole; j < sp.count; ++j)
-        for (Index c = 0; c < dV; ++c) tail[r * dV + c] = std::fma(pr[j], float(sp.v[j + c * sp.ld]), tail[r * dV + c]);
     }
   }
   for (Index r = 0; r < R; ++r)
@@ -663,11 +785,11 @@ struct decode_cache_impl {
       if (p.quantised) continue;
       for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
       const Plain* k = at<Plain>(p.k, p.kHead, h);
-      if constexpr (IsHalfScalar<Plain>) {
-        // Half storage in short pieces (paged blocks of up to 32 keys, a few KiB each in pages of
-        // their own, where the hardware prefetcher stops): the keys of the piece after next
-        // requested now. A block of 16 keys, d 128: 1.7x faster; float pieces gain nothing (and
-        // lose from 64 keys on), so they are left to the hardware.
+      if constexpr (!std::is_same_v<Plain, double>) {
+        // Short pieces (paged blocks of up to 32 keys, a few KiB each in pages of their own, where
+        // the hardware prefetcher stops): the keys of the piece after next requested now. A
+        // block of 16 keys, d 128: half storage 1.7x faster; float (read in column order) about
+        // 1.2x on an AMD EPYC (session 24), where longer pieces gain nothing.
         if (p.count <= kPrefetchPiece && t + 2 < chunk.last && sc.prefetch.runs.empty()) {
           const Piece& n2 = plan.cut[size_t(t + 2)];
           if (!n2.quantised) prefetchRun(at<Plain>(n2.k, n2.kHead, h), (dK - 1) * n2.ld + n2.count);
@@ -781,7 +903,9 @@ struct decode_cache_impl {
       }
       if (!any) {
         const Index spans = Index(sc.spans.size());
-        if (spans > 1 && chunk.keys < kShortSpan * spans)
+        bool close = true;
+        for (const FloatSpan& sp : sc.spans) close = close && columnsClose<float>(sp.ld);
+        if (close || (spans > 1 && chunk.keys < kShortSpan * spans))
           valuesShortSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(),
                            sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
         else
