@@ -287,19 +287,33 @@ void dot(Path path, const float* p, const H* x, Index stride, Index n, float* ou
 #endif
 }
 
-/// The d columns of a decoding step, 8 at a time then one by one: s (n) += sum_c a[c] x_c.
+/// Whether columns `stride` elements apart are read one at a time, in address order: where they
+/// lie within 2 KiB of each other (a paged block), eight side by side would be eight interleaved
+/// runs of a few hundred bytes, which the hardware prefetcher of some CPUs does not follow
+/// (decode_cache.hpp's columnsClose). The same bits either way: each key's and each column's sums
+/// do not depend on how many columns share a pass.
+template <typename H>
+bool columnByColumn(Index stride) {
+  return stride * Index(sizeof(H)) <= 2048;
+}
+
+/// The d columns of a decoding step, 8 at a time (or one at a time, columnByColumn) then one by
+/// one: s (n) += sum_c a[c] x_c.
 template <typename H>
 void axpyAll(Path path, const float* a, const H* x, Index stride, Index d, float* s, Index n) {
   Index c = 0;
-  for (; c + 8 <= d; c += 8) axpy<8>(path, a + c, x + c * stride, stride, s, n);
+  if (!columnByColumn<H>(stride))
+    for (; c + 8 <= d; c += 8) axpy<8>(path, a + c, x + c * stride, stride, s, n);
   for (; c < d; ++c) axpy<1>(path, a + c, x + c * stride, stride, s, n);
 }
 
-/// dots[c] = p . x_c for the d columns, 8 at a time then one by one.
+/// dots[c] = p . x_c for the d columns, 8 at a time (or one at a time, columnByColumn) then one
+/// by one.
 template <typename H>
 void dotAll(Path path, const float* p, const H* x, Index stride, Index d, Index n, float* dots) {
   Index c = 0;
-  for (; c + 8 <= d; c += 8) dot<8>(path, p, x + c * stride, stride, n, dots + c);
+  if (!columnByColumn<H>(stride))
+    for (; c + 8 <= d; c += 8) dot<8>(path, p, x + c * stride, stride, n, dots + c);
   for (; c < d; ++c) dot<1>(path, p, x + c * stride, stride, n, dots + c);
 }
 
