@@ -150,7 +150,8 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
   // from 8 rows on), so over the same keys every row equals the call on that row alone, bit for
   // bit, whatever the row count (1 to 16 per head) and the group (rows of a GQA group's heads
   // share the blocks).
-  // Several chunks of keys (1600 keys: 2 to 7 chunks by storage and d), contiguous and paged.
+  // Several chunks of keys (1600 keys: 1 to 7 chunks by storage and d; float at d 128: 2), contiguous and
+  // paged.
   std::mt19937_64 gen(31);
   const Index n = 1600;
   for (const auto& [heads, d] : {std::pair<Heads, Index>{Heads{1}, 128}, {Heads{8, 2}, 64}, {Heads{3, 1}, 40}}) {

@@ -510,15 +510,22 @@ struct decode_cache_impl {
   /// Query rows per block: decoding (one token, or the few of speculative decoding) is one block.
   static constexpr Index kRowBlock = 16;
 
-  /// Keys per chunk: k and v of a chunk take about 512 KiB, in L2 while the group's rows read
-  /// it; a multiple of 32 (whole quantised groups).
+  /// Keys per chunk: k and v of a chunk take about 512 KiB (float storage: 1 MiB), in L2 while
+  /// the group's rows read it; a multiple of 32 (whole quantised groups). Float's kernels read a
+  /// chunk's columns 8 at a time, each a run of the chunk's keys left to the hardware prefetcher:
+  /// at d 128, runs of 1024 keys (4 KiB) rather than 512 read one token's K/V at 0.80-0.88 of
+  /// the read probe's bandwidth against 0.59-0.63 on an AMD EPYC (session 24; 8 heads and 1-16
+  /// query rows gained too). Half and quantised storage (software-prefetched, or read group by
+  /// group) did not gain.
   static Index chunkKeys(Index dK, Index dV) {
-    double perKey;
-    if constexpr (kQuantised)
+    double perKey, bytes = double(Index(1) << 19);
+    if constexpr (kQuantised) {
       perKey = double(quant::groupBytes<Storage, true>(dK) + quant::groupBytes<Storage>(dV)) / double(quant::kGroup);
-    else
+    } else {
       perKey = double((dK + dV) * Index(sizeof(Plain)));
-    return std::clamp<Index>(Index(double(Index(1) << 19) / perKey) / 32 * 32, 256, 8192);
+      if constexpr (std::is_same_v<Plain, float>) bytes *= 2;
+    }
+    return std::clamp<Index>(Index(bytes / perKey) / 32 * 32, 256, 8192);
   }
 
   struct Chunk {
