@@ -310,19 +310,6 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
   pf.save(cursor);
 }
 
-/**
- * Whether a piece's columns lie close together (a paged block: its d runs of keys back to back,
- * at most 2 KiB apart): the kernels then read it in address order, a column at a time. Eight
- * columns side by side (the long pieces' order, below) read a block as eight interleaved runs of
- * a few hundred bytes each, which the hardware prefetcher of some CPUs does not follow: on an AMD
- * EPYC (session 24) paged blocks of 16-512 keys took 1.6-2.3x the contiguous cache's time for
- * the same kernels over the same bytes; in column order, about the same time.
- */
-template <typename T>
-bool columnsClose(Index ld) {
-  return ld * Index(sizeof(T)) <= 2048;
-}
-
 /// logitsRowsFixed over a piece of at most J key packets (a paged block of 16 or 32 keys): the
 /// packets' partial sums in registers over all d columns, read in address order.
 template <int Rows, int J, typename T>
