@@ -52,25 +52,6 @@ inline constexpr int kWideLogitRows = kManyRegisters ? 8 : 4, kWideLogitPackets 
 inline constexpr int kWideValueRows = kManyRegisters ? 6 : 4;
 inline constexpr Index kWideValueCols = 4;
 
-/// Keeps a loaded packet in a register for all the multiply-adds that use it. Without this GCC
-/// folds the load into each of them (a memory operand per FMA): the multi-row kernels then issue
-/// a load per FMA, as many as the load ports take, and ran at 0.3-0.45 of the FMA peak on an AVX2
-/// EPYC (session 25) where one load per packet lets them reach 0.65-0.8.
-template <typename Packet>
-inline void inRegister(Packet& x) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  if constexpr (sizeof(Packet) >= 16) {
-#if defined(__AVX512F__)
-    __asm__("" : "+v"(x));
-#else
-    __asm__("" : "+x"(x));
-#endif
-  }
-#else
-  (void)x;
-#endif
-}
-
 /**
  * The next chunk's keys and values brought into L2 while a multi-row block computes the current
  * one: a list of byte runs, one line fetched each time `step` has been called often enough that
