@@ -478,7 +478,8 @@ namespace avx2 {
 /// Rows per register block: 4 vectors of partial sums (32 keys) per row, the codes' 4 vectors.
 inline constexpr Index kRows = 2;
 
-/// Keys 8 h .. 8 h + 7 of a channel's codes as x[h], h = 0..3.
+/// Keys 8 h .. 8 h + 7 of a channel's codes as x[h], h = 0..3: q8 codes, or q4 codes + 8 (0..15:
+/// the kernels subtract 8 once per group and channel, not once per code; see kQ4Offset).
 template <typename F>
 SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
   if constexpr (F::Bits == 8) {
@@ -486,22 +487,31 @@ SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
       x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
   } else {
     // Byte i holds key i (low nibble) and key i + 16 (high), each code + 8.
-    const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    const __m256i low = _mm256_set1_epi32(0xF);
     for (Index h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h)));
-      x[h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low), eight));
-      x[h + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
+      x[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+      x[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
     }
   }
 }
 
+/// What load32 leaves in each code: q4's offset of 8, taken out per group and channel instead
+/// (sum_i w (c_i - 8) = sum_i w c_i - 8 w per key and channel of the logits, sum_i p_i (c_i - 8)
+/// = sum_i p_i c_i - 8 sum_i p_i per channel of the values): 4 of the 18-20 instructions per
+/// channel and 32 keys of each kernel. The sums of codes + 8 (at most 15) against codes (at most
+/// 8 in magnitude) cost about one bit of float rounding, far below the quantisation step.
+template <typename F>
+inline constexpr float kQ4Offset = F::Bits == 4 ? 8.0f : 0.0f;
+
 /// One fused multiply-add chain per (row, vector of 8 keys) over the channels in order: four
 /// independent chains per row hide the FMA latency. Every row's arithmetic is the same whatever Rows.
 template <typename F, int Rows>
-SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out) {
+SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out,
+                                  const float* bias) {
   __m256 acc[Rows][4];
   for (int m = 0; m < Rows; ++m)
-    for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
+    for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_add_ps(_mm256_loadu_ps(out[m] + 8 * h), _mm256_set1_ps(bias[m]));
   for (Index c = 0; c < d; ++c) {
     __m256 x[4];
     load32<F>(codes + c * kCodeBytes<F>, x);
@@ -519,17 +529,29 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
                                     Index d, float* const* s, float* as) {
   const float* asRows[kRows];
   float* out[kRows];
+  float* bias = as + R * d;  // per row: -kQ4Offset sum_c as_c
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    Index c = 0;
-    for (; c + 8 <= d; c += 8) {
-      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c)));
-      for (Index r = 0; r < R; ++r) _mm256_storeu_ps(as + r * d + c, _mm256_mul_ps(_mm256_loadu_ps(a[r] + c), sc));
-    }
-    for (; c < d; ++c) {
-      const float sc = _cvtsh_ss(scales[c]);
-      for (Index r = 0; r < R; ++r) as[r * d + c] = a[r][c] * sc;
+    for (Index r = 0; r < R; ++r) {
+      float* ar = as + r * d;
+      __m256 sum = _mm256_setzero_ps();
+      Index c = 0;
+      for (; c + 8 <= d; c += 8) {
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c)));
+        const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(a[r] + c), sc);
+        _mm256_storeu_ps(ar + c, w);
+        sum = _mm256_add_ps(sum, w);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sum);
+      float total = 0.0f;
+      for (const float l : lanes) total += l;
+      for (; c < d; ++c) {
+        ar[c] = a[r][c] * _cvtsh_ss(scales[c]);
+        total += ar[c];
+      }
+      bias[r] = -kQ4Offset<F> * total;
     }
     const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
     for (Index r0 = 0; r0 < R; r0 += kRows) {
@@ -539,9 +561,9 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
         out[m] = s[r0 + m] + g * kGroup;
       }
       if (rows == 1)
-        logitsRows<F, 1>(asRows, d, codes, out);
+        logitsRows<F, 1>(asRows, d, codes, out, bias + r0);
       else
-        logitsRows<F, 2>(asRows, d, codes, out);
+        logitsRows<F, 2>(asRows, d, codes, out, bias + r0);
     }
   }
 }
@@ -551,13 +573,24 @@ template <typename F, int Rows>
 SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
                                   float* const* dots, float* acc) {
   for (Index i = 0; i < Rows * d * 8; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  // offset[m d + c] = sum_g scale_gc sum_i p[m][32 g + i] (q4: the codes' offset, taken out at the end)
+  float* offset = acc + Rows * d * 8;
+  std::fill(offset, offset + Rows * d, 0.0f);
   const Index codeBase = d * Index(sizeof(std::uint16_t));
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
     __m256 pv[Rows][4];
-    for (int m = 0; m < Rows; ++m)
+    float psum[Rows];
+    for (int m = 0; m < Rows; ++m) {
       for (Index h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
+      if constexpr (kQ4Offset<F> != 0.0f) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(pv[m][0], pv[m][1]), _mm256_add_ps(pv[m][2], pv[m][3])));
+        psum[m] = 0.0f;
+        for (const float l : lanes) psum[m] += l;
+      }
+    }
     for (Index c0 = 0; c0 < d; c0 += 8) {
       const Index cols = std::min<Index>(8, d - c0);
       alignas(32) float sc8[8];
@@ -565,6 +598,15 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
         _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
       else
         for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
+      if constexpr (kQ4Offset<F> != 0.0f) {
+        for (int m = 0; m < Rows; ++m) {
+          float* o = offset + m * d + c0;
+          if (cols == 8)
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_load_ps(sc8), _mm256_set1_ps(psum[m]), _mm256_loadu_ps(o)));
+          else
+            for (Index c = 0; c < cols; ++c) o[c] = std::fma(sc8[c], psum[m], o[c]);
+        }
+      }
       for (Index c = 0; c < cols; ++c) {
         __m256 x[4];
         load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x);
@@ -584,11 +626,11 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
       const float* a = acc + (m * d + c) * 8;
       float sum = 0.0f;
       for (int l = 0; l < 8; ++l) sum += a[l];
-      dots[m][c] = sum;
+      dots[m][c] = kQ4Offset<F> != 0.0f ? std::fma(-kQ4Offset<F>, offset[m * d + c], sum) : sum;
     }
 }
 
-/// acc: scratch of kRows d 8 floats.
+/// acc: scratch of kRows d 9 floats.
 template <typename F>
 SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n,
                                     Index d, float* const* dots, float* acc) {
