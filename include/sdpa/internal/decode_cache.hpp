@@ -17,6 +17,7 @@
 
 #include "../layout.hpp"
 #include "../mask.hpp"
+#include "decode_rows.hpp"
 #include "forward_tiled.hpp"
 #include "kv_quant.hpp"
 #include "online_softmax.hpp"
@@ -215,59 +216,10 @@ inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, 
   }
 }
 
-/// A packet of floats from float storage, or (builds for AVX-512, or AVX2 and F16C: kHalfPackets)
-/// of half or bfloat16 widened, so that the kernels below read short half pieces in place.
-inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
-  return Eigen::internal::ploadu<Eigen::internal::packet_traits<float>::type>(x);
-}
-#if defined(__AVX512F__)
-inline constexpr bool kHalfPackets = true;
-inline __m512 loadFloats(const Eigen::half* x) { return half_columns::avx512::widen(x); }
-inline __m512 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx512::widen(x); }
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)  // (Eigen's packets: 8 floats)
-inline constexpr bool kHalfPackets = true;
-inline __m256 loadFloats(const Eigen::half* x) { return half_columns::avx2::widen(x); }
-inline __m256 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); }
-#else
-inline constexpr bool kHalfPackets = false;
-#endif
-
-/// decodeLogitsRows for Rows (<= 4) rows known at compile time: the partial sums stay in
-/// registers (with a run-time row count GCC keeps them on the stack, a store-to-load chain per
-/// multiply-add). The same arithmetic per (row, key): columns in order, one FMA each.
-template <int Rows, typename T>
-void logitsRowsFixed(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size, kCols = 8;
-  for (Index c0 = 0; c0 < d; c0 += kCols) {
-    const Index c1 = std::min(d, c0 + kCols);
-    const bool ahead = Rows == 1 && c1 < d;  // the next 8 columns requested, as valuesSpansFixed
-    Index j = 0;
-    for (; j + W <= n; j += W) {
-      Packet acc[Rows];
-      for (int m = 0; m < Rows; ++m) acc[m] = ei::ploadu<Packet>(s[m] + j);
-      for (Index c = c0; c < c1; ++c) {
-        Packet kc = loadFloats(k + j + c * ldk);
-        inRegister(kc);
-        if (ahead) __builtin_prefetch(k + j + std::min(c + kCols, d - 1) * ldk, 0, 2);
-        for (int m = 0; m < Rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(a[m][c]), kc, acc[m]);
-      }
-      for (int m = 0; m < Rows; ++m) ei::pstoreu(s[m] + j, acc[m]);
-    }
-    for (; j < n; ++j)
-      for (int m = 0; m < Rows; ++m) {
-        float t = s[m][j];
-        for (Index c = c0; c < c1; ++c) t = std::fma(a[m][c], float(k[j + c * ldk]), t);
-        s[m][j] = t;
-      }
-  }
-}
-
 /**
- * logitsRowsFixed for the Rows of a wide block (multi-row decoding, a GQA group's rows): Rows x J
+ * decode_rows::logits for the Rows of a wide block (multi-row decoding, a GQA group's rows): Rows x J
  * key packets of partial sums in registers over 8 columns at a time, so that each load of k
- * serves Rows multiply-adds and each broadcast query value J (logitsRowsFixed: one packet of
+ * serves Rows multiply-adds and each broadcast query value J (decode_rows::logits: one packet of
  * keys, a broadcast per multiply-add). The same arithmetic per (row, key): columns in order, one FMA
  * each. Steps the next chunk's prefetch once per column of each block of J packets.
  */
@@ -329,7 +281,7 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
   pf.save(cursor);
 }
 
-/// logitsRowsFixed over a piece of at most J key packets (a paged block of 16 or 32 keys): the
+/// decode_rows::logits over a piece of at most J key packets (a paged block of 16 or 32 keys): the
 /// packets' partial sums in registers over all d columns, read in address order.
 template <int Rows, int J, typename T>
 void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d, float* const* s) {
@@ -351,7 +303,7 @@ void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d
     for (int b = 0; b < J; ++b) ei::pstoreu(s[m] + b * W, acc[m][b]);
 }
 
-/// logitsRowsFixed for a piece whose columns are close (columnsClose), in address order: one
+/// decode_rows::logits for a piece whose columns are close (columnsClose), in address order: one
 /// column at a time over the piece's keys (the logits in L1 between columns), or all columns
 /// over key packets held in registers where the piece has at most four. The same arithmetic per
 /// (row, key): columns in order, one FMA each.
@@ -408,16 +360,20 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
   for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
       case 1:
-        close ? logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<1>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0)
+              : decode_rows::logits<1, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 2:
-        close ? logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<2>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0)
+              : decode_rows::logits<2, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 3:
-        close ? logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<3>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0)
+              : decode_rows::logits<3, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       default:
-        close ? logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0) : logitsRowsFixed<4>(a + r0, k, ldk, d, n, s + r0);
+        close ? logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0)
+              : decode_rows::logits<4, true>(a + r0, k, ldk, d, n, s + r0);
         break;
     }
   }
