@@ -155,8 +155,9 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
       // otherwise start kCols new streams cold; one token 1.1x faster on an AVX2 EPYC, session
       // 25). With more rows it measured no faster, and slower in the wide blocks.
       const bool ahead = Rows == 1 && c0 + kCols < dV;
-      const float* vn[kCols];  // the next block's columns
-      for (Index c = 0; c < kCols; ++c) vn[c] = sp.v + std::min(c0 + kCols + c, dV - 1) * sp.ld;
+      const float* vn[kCols] = {};  // the next block's columns (one row)
+      if constexpr (Rows == 1)
+        for (Index c = 0; c < kCols; ++c) vn[c] = sp.v + std::min(c0 + kCols + c, dV - 1) * sp.ld;
       if (cols == kCols) {
         for (Index j = 0; j < whole; j += W) {
           if constexpr (Wide) cursor.step();

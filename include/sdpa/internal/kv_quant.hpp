@@ -575,7 +575,7 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
   for (Index i = 0; i < Rows * d * 8; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
   // offset[m d + c] = sum_g scale_gc sum_i p[m][32 g + i] (q4: the codes' offset, taken out at the end)
   float* offset = acc + Rows * d * 8;
-  std::fill(offset, offset + Rows * d, 0.0f);
+  if constexpr (kQ4Offset<F> != 0.0f) std::fill(offset, offset + Rows * d, 0.0f);
   const Index codeBase = d * Index(sizeof(std::uint16_t));
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
@@ -626,7 +626,10 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
       const float* a = acc + (m * d + c) * 8;
       float sum = 0.0f;
       for (int l = 0; l < 8; ++l) sum += a[l];
-      dots[m][c] = kQ4Offset<F> != 0.0f ? std::fma(-kQ4Offset<F>, offset[m * d + c], sum) : sum;
+      if constexpr (kQ4Offset<F> != 0.0f)
+        dots[m][c] = std::fma(-kQ4Offset<F>, offset[m * d + c], sum);
+      else
+        dots[m][c] = sum;
     }
 }
 
