@@ -46,7 +46,8 @@ struct SequenceView {
 /// Register blocks of the multi-row kernels (multi-token or speculative decoding, a GQA group's
 /// rows; 8 rows or more): logits of kWideLogitRows rows x kWideLogitPackets key packets, values
 /// of kWideValueRows rows x kWideValueCols columns, 24 accumulators where the ISA has 32 vector
-/// registers (AVX-512), 16 where it has 16 (AVX2: the values' 4 x 4 spill a little, yet ran
+/// registers (AVX-512), 16 where it has 16 (AVX2: the values' 4 x 4 leave no register for the
+/// weights, which valuesSpansFixed then reads from L1 as the FMAs' memory operands, yet ran
 /// 1.1-1.2x faster than 4 x 2 on an EPYC, their 4 columns 4 streams from memory instead of 2).
 inline constexpr bool kManyRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
 inline constexpr int kWideLogitRows = kManyRegisters ? 8 : 4, kWideLogitPackets = kManyRegisters ? 3 : 2;
@@ -133,6 +134,11 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
+  // The weights' packets pinned to registers where they fit beside the accumulators and a
+  // packet of v; otherwise (AVX2's 4 x 4: 21 of 16 registers) pinning them pushed all 16
+  // accumulators to the stack, a load and a store around every FMA, and left to itself GCC keeps
+  // the accumulators and reads the weights from L1 as memory operands.
+  constexpr bool kPinWeights = Rows * kCols + Rows + 1 <= EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
   ChunkPrefetch::Cursor cursor;
   if constexpr (Wide) cursor = pf->cursor();
   for (Index c0 = 0; c0 < dV; c0 += kCols) {
@@ -164,7 +170,7 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
           Packet pm[Rows];
           for (int m = 0; m < Rows; ++m) {
             pm[m] = ei::ploadu<Packet>(pr[m] + j);
-            inRegister(pm[m]);
+            if constexpr (kPinWeights) inRegister(pm[m]);
           }
           for (Index c = 0; c < kCols; ++c) {
             Packet x = ei::ploadu<Packet>(vc[c] + j);
