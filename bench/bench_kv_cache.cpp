@@ -103,21 +103,25 @@ void BM_CachePaged(benchmark::State& state) {
     state.counters["xContiguous"] = perCall / it->second;
 }
 
-/// GQA: Heads{H, 8} against Heads{8} over the same fp32 cache of 8 kv heads, d 128.
-/// args: n_k, H, threads
-void BM_CacheHeads(benchmark::State& state) {
+/// GQA: Heads{H, 8} against Heads{8} over the same cache of 8 kv heads, d 128 (table: where the
+/// storage's MHA time is kept). args: n_k, H, threads
+template <typename Storage>
+void cacheHeads(benchmark::State& state, const std::string& table) {
   const Index nK = state.range(0), H = state.range(1), Hkv = 8, d = 128;
   sdpa_bench::setThreads(int(state.range(2)));
-  const auto cache = filled<float>(nK, Hkv, d, 0);
+  const auto cache = filled<Storage>(nK, Hkv, d, 0);
   const double perCall = timeDecode(state, cache, 0, 1, H);
   if (perCall == 0) return;
-  state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * sizeof(float) / perCall * 1e-9;
+  state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * bytesPerValue<Storage>() / perCall * 1e-9;
   const std::vector<Index> key{nK, state.range(2)};
   if (H == Hkv)
-    seconds("mha")[key] = perCall;
-  else if (auto it = seconds("mha").find(key); it != seconds("mha").end())
+    seconds(table)[key] = perCall;
+  else if (auto it = seconds(table).find(key); it != seconds(table).end())
     state.counters["xMHA"] = perCall / it->second;
 }
+void BM_CacheHeads(benchmark::State& state) { cacheHeads<float>(state, "mha"); }
+/// The same with fp16 K/V.
+void BM_CacheHeadsHalf(benchmark::State& state) { cacheHeads<Eigen::half>(state, "mha-half"); }
 
 /// Multi-token decoding: n_q rows (speculative decoding's drafts) against one fp32 head.
 /// args: n_k, n_q
@@ -189,6 +193,11 @@ BENCHMARK(BM_CachePaged<sdpa::kv::Q8>)
 BENCHMARK(BM_CacheHeads)
     ->ArgNames({"nk", "H", "threads"})
     ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheHeadsHalf)
+    ->ArgNames({"nk", "H", "threads"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheQueryRows)
