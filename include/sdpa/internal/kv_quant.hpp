@@ -511,7 +511,10 @@ SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigne
                                   const float* bias) {
   __m256 acc[Rows][4];
   for (int m = 0; m < Rows; ++m)
-    for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_add_ps(_mm256_loadu_ps(out[m] + 8 * h), _mm256_set1_ps(bias[m]));
+    for (Index h = 0; h < 4; ++h) {
+      acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
+      if constexpr (kQ4Offset<F> != 0.0f) acc[m][h] = _mm256_add_ps(acc[m][h], _mm256_set1_ps(bias[m]));
+    }
   for (Index c = 0; c < d; ++c) {
     __m256 x[4];
     load32<F>(codes + c * kCodeBytes<F>, x);
@@ -541,17 +544,17 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c)));
         const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(a[r] + c), sc);
         _mm256_storeu_ps(ar + c, w);
-        sum = _mm256_add_ps(sum, w);
+        if constexpr (kQ4Offset<F> != 0.0f) sum = _mm256_add_ps(sum, w);
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, sum);
-      float total = 0.0f;
-      for (const float l : lanes) total += l;
-      for (; c < d; ++c) {
-        ar[c] = a[r][c] * _cvtsh_ss(scales[c]);
-        total += ar[c];
+      for (; c < d; ++c) ar[c] = a[r][c] * _cvtsh_ss(scales[c]);
+      if constexpr (kQ4Offset<F> != 0.0f) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sum);
+        float total = 0.0f;
+        for (const float l : lanes) total += l;
+        for (c = d / 8 * 8; c < d; ++c) total += ar[c];
+        bias[r] = -kQ4Offset<F> * total;
       }
-      bias[r] = -kQ4Offset<F> * total;
     }
     const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
     for (Index r0 = 0; r0 < R; r0 += kRows) {
