@@ -190,6 +190,11 @@ BENCHMARK(BM_CachePaged<sdpa::kv::Q8>)
     ->ArgsProduct({{65536}, {128}, {0, 32, 256}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CachePaged<sdpa::kv::Q4>)
+    ->ArgNames({"nk", "d", "block"})
+    ->ArgsProduct({{65536}, {128}, {0, 32, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheHeads)
     ->ArgNames({"nk", "H", "threads"})
     ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})
