@@ -822,8 +822,7 @@ struct decode_cache_impl {
         // Long half pieces: widened in registers (AVX2 or AVX-512, at run time), 8 columns per
         // pass over a row of logits, with prefetching; float's kernel's bits.
         if constexpr (IsHalfScalar<Plain>)
-          for (Index r = 0; r < R; ++r)
-            half_columns::axpyAll(path, sc.rowsA[size_t(r)], k, p.ld, dK, sc.rowsO[size_t(r)], p.count);
+          half_columns::axpyAllRows(path, sc.rowsA.data(), R, k, p.ld, dK, sc.rowsO.data(), p.count);
       } else if constexpr (std::is_same_v<Plain, float> || kHalfPackets) {
         // Float storage, or short half pieces widened in Eigen's packets: in place.
         logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch, ahead);
@@ -866,15 +865,17 @@ struct decode_cache_impl {
       if constexpr (IsHalfScalar<Plain>) {
         if (const auto path = halfColumns(plan, chunk); path != half_columns::Path::None) {
           // Half storage widened in registers: each piece's dots, 8 columns per pass over the weights.
-          float* part = sc.vf.get(dV);
-          for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
+          float* part = sc.vf.get(R * dV);
+          for (Index r = 0; r < R; ++r) {  // rowsO (the logits' rows, free by now): each row's part
+            std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
+            sc.rowsO[size_t(r)] = part + r * dV;
+          }
           for (Index t = chunk.first; t < chunk.last; ++t) {
             const Piece& p = plan.cut[size_t(t)];
             const Plain* v = at<Plain>(p.v, p.vHead, h);
-            for (Index r = 0; r < R; ++r) {
-              half_columns::dotAll(path, sc.rowsA[size_t(r)] + offset, v, p.ld, dV, p.count, part);
-              for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += part[c];
-            }
+            half_columns::dotAllRows(path, sc.rowsA.data(), offset, R, v, p.ld, dV, p.count, sc.rowsO.data());
+            for (Index r = 0; r < R; ++r)
+              for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += part[r * dV + c];
             offset += p.count;
           }
           return;

@@ -219,6 +219,41 @@ SDPA_HALF_TARGET void axpy(const float* a, const H* x, Index stride, float* y, I
     for (int c = 0; c < G; ++c) y[i] = std::fma(a[c], float(x[c * stride + i]), y[i]);
 }
 
+/// axpy for Rows rows at once (a GQA group, or the query rows of multi-token decoding): y_r (n)
+/// += sum_c a_r[c] x_c over G columns, each packet of x widened once for every row rather than
+/// once per row. Each y_r[i] takes the same fused multiply-adds in the same order as axpy's (the
+/// columns in order; a key past the last 16 one fma per column, as axpy's past the last 32):
+/// the same bits.
+template <int G, int Rows, typename H>
+SDPA_HALF_TARGET void axpyRows(const float* const* a, const H* x, Index stride, float* const* y, Index n) {
+  Index i = 0;
+  const Index ahead = n - kPrefetch;
+  for (; i + 16 <= n; i += 16) {
+    __m256 acc[Rows][2];
+    for (int m = 0; m < Rows; ++m) {
+      acc[m][0] = _mm256_loadu_ps(y[m] + i);
+      acc[m][1] = _mm256_loadu_ps(y[m] + i + 8);
+    }
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      if (i < ahead && i % 32 == 0) prefetch(xc);
+      const __m256 x0 = widen(xc), x1 = widen(xc + 8);
+      for (int m = 0; m < Rows; ++m) {
+        const __m256 w = _mm256_set1_ps(a[m][c]);
+        acc[m][0] = _mm256_fmadd_ps(w, x0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w, x1, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < Rows; ++m) {
+      _mm256_storeu_ps(y[m] + i, acc[m][0]);
+      _mm256_storeu_ps(y[m] + i + 8, acc[m][1]);
+    }
+  }
+  for (; i < n; ++i)
+    for (int c = 0; c < G; ++c)
+      for (int m = 0; m < Rows; ++m) y[m][i] = std::fma(a[m][c], float(x[c * stride + i]), y[m][i]);
+}
+
 /// avx512::dot's 16 partial sums per column as two vectors (keys i..i+7 and i+16..i+23 into the
 /// first, i+8..i+15 and i+24..i+31 into the second), four columns per pass over p (16 vector
 /// registers).
@@ -249,6 +284,46 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
       for (const float l : lanes) sum += l;
       for (Index t = i; t < n; ++t) sum = std::fma(p[t], float(x[(c0 + c) * stride + t]), sum);
       out[c0 + c] = sum;
+    }
+  }
+}
+/// dot for Rows rows at once, a column at a time: out[m][c] = sum_i p[m][offset + i] x_c[i] for
+/// the d columns, each packet of x widened once for every row; the next column's run requested
+/// as this one is read (one column stream at a time, whose runs of a chunk's keys the hardware
+/// prefetcher does not cross). Each dot is dot's, to the bit: the same two vectors of partial
+/// sums, the same reduction and tail.
+template <int Rows, typename H>
+SDPA_HALF_TARGET void dotRows(const float* const* p, Index offset, const H* x, Index stride, Index d, Index n,
+                              float* const* out) {
+  for (Index c = 0; c < d; ++c) {
+    const H* xc = x + c * stride;
+    const char* next = c + 1 < d ? reinterpret_cast<const char*>(xc + stride) : nullptr;
+    const char* next2 = c + 2 < d ? reinterpret_cast<const char*>(xc + 2 * stride) : nullptr;
+    __m256 lo[Rows], hi[Rows];
+    for (int m = 0; m < Rows; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+    Index i = 0;
+    for (; i + 32 <= n; i += 32) {
+      if (next)
+        for (Index b = 0; b < 32 * Index(sizeof(H)); b += 64)
+          _mm_prefetch(next + i * Index(sizeof(H)) + b, _MM_HINT_T0);
+      if (next2)
+        for (Index b = 0; b < 32 * Index(sizeof(H)); b += 64)
+          _mm_prefetch(next2 + i * Index(sizeof(H)) + b, _MM_HINT_T0);
+      const __m256 x0 = widen(xc + i), x1 = widen(xc + i + 8), x2 = widen(xc + i + 16), x3 = widen(xc + i + 24);
+      for (int m = 0; m < Rows; ++m) {
+        const float* pm = p[m] + offset + i;
+        lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(pm + 16), x2, _mm256_fmadd_ps(_mm256_loadu_ps(pm), x0, lo[m]));
+        hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(pm + 24), x3, _mm256_fmadd_ps(_mm256_loadu_ps(pm + 8), x1, hi[m]));
+      }
+    }
+    for (int m = 0; m < Rows; ++m) {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, lo[m]);
+      _mm256_store_ps(lanes + 8, hi[m]);
+      float sum = 0;
+      for (const float l : lanes) sum += l;
+      for (Index t = i; t < n; ++t) sum = std::fma(p[m][offset + t], float(xc[t]), sum);
+      out[m][c] = sum;
     }
   }
 }
@@ -312,6 +387,61 @@ void axpyAll(Path path, const float* a, const H* x, Index stride, Index d, float
   for (; c < d; ++c) axpy<1>(path, a + c, x + c * stride, stride, s, n);
 }
 
+/// axpyAll for R rows (a[r], s[r]): on AVX2, up to 4 rows at a time through axpyRows (each x
+/// packet widened once for them); elsewhere row by row. The same bits as axpyAll row by row.
+template <typename H>
+void axpyAllRows(Path path, const float* const* a, Index R, const H* x, Index stride, Index d, float* const* s,
+                 Index n) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (path == Path::Avx2 && R > 1) {
+    const bool close = columnsClose<H>(stride);
+    for (Index r0 = 0; r0 < R; r0 += 4) {
+      const Index rows = std::min<Index>(4, R - r0);
+      const float* ar[4];
+      for (Index c = 0; c < d;) {
+        const Index g = !close && c + 8 <= d ? 8 : 1;
+        for (Index m = 0; m < rows; ++m) ar[m] = a[r0 + m] + c;
+        const H* xc = x + c * stride;
+        if (g == 8) {
+          switch (rows) {
+            case 1:
+              avx2::axpyRows<8, 1>(ar, xc, stride, s + r0, n);
+              break;
+            case 2:
+              avx2::axpyRows<8, 2>(ar, xc, stride, s + r0, n);
+              break;
+            case 3:
+              avx2::axpyRows<8, 3>(ar, xc, stride, s + r0, n);
+              break;
+            default:
+              avx2::axpyRows<8, 4>(ar, xc, stride, s + r0, n);
+              break;
+          }
+        } else {
+          switch (rows) {
+            case 1:
+              avx2::axpyRows<1, 1>(ar, xc, stride, s + r0, n);
+              break;
+            case 2:
+              avx2::axpyRows<1, 2>(ar, xc, stride, s + r0, n);
+              break;
+            case 3:
+              avx2::axpyRows<1, 3>(ar, xc, stride, s + r0, n);
+              break;
+            default:
+              avx2::axpyRows<1, 4>(ar, xc, stride, s + r0, n);
+              break;
+          }
+        }
+        c += g;
+      }
+    }
+    return;
+  }
+#endif
+  for (Index r = 0; r < R; ++r) axpyAll(path, a[r], x, stride, d, s[r], n);
+}
+
 /// dots[c] = p . x_c for the d columns, 8 at a time (one at a time where they are close:
 /// columnsClose) then one by one.
 template <typename H>
@@ -320,6 +450,36 @@ void dotAll(Path path, const float* p, const H* x, Index stride, Index d, Index 
   if (!columnsClose<H>(stride))
     for (; c + 8 <= d; c += 8) dot<8>(path, p, x + c * stride, stride, n, dots + c);
   for (; c < d; ++c) dot<1>(path, p, x + c * stride, stride, n, dots + c);
+}
+
+/// dotAll for R rows (p[r] + offset), into out[r] (d each): on AVX2, up to 4 rows at a time
+/// through dotRows (each x packet widened once for them); elsewhere row by row. The same bits
+/// as dotAll row by row.
+template <typename H>
+void dotAllRows(Path path, const float* const* p, Index offset, Index R, const H* x, Index stride, Index d, Index n,
+                float* const* out) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (path == Path::Avx2 && R > 1) {
+    for (Index r0 = 0; r0 < R; r0 += 4) {
+      switch (std::min<Index>(4, R - r0)) {
+        case 1:
+          avx2::dotRows<1>(p + r0, offset, x, stride, d, n, out + r0);
+          break;
+        case 2:
+          avx2::dotRows<2>(p + r0, offset, x, stride, d, n, out + r0);
+          break;
+        case 3:
+          avx2::dotRows<3>(p + r0, offset, x, stride, d, n, out + r0);
+          break;
+        default:
+          avx2::dotRows<4>(p + r0, offset, x, stride, d, n, out + r0);
+          break;
+      }
+    }
+    return;
+  }
+#endif
+  for (Index r = 0; r < R; ++r) dotAll(path, p[r] + offset, x, stride, d, n, out[r]);
 }
 
 }  // namespace half_columns
