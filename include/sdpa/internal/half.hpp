@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu.hpp"
 #include "macros.hpp"
@@ -254,6 +255,16 @@ SDPA_HALF_TARGET void axpyRows(const float* const* a, const H* x, Index stride, 
       for (int m = 0; m < Rows; ++m) y[m][i] = std::fma(a[m][c], float(x[c * stride + i]), y[m][i]);
 }
 
+/// The 16 lanes of lo then hi, summed in order (dot's reduction).
+SDPA_HALF_TARGET inline float laneSum(__m256 lo, __m256 hi) {
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, lo);
+  _mm256_store_ps(lanes + 8, hi);
+  float sum = 0;
+  for (const float l : lanes) sum += l;
+  return sum;
+}
+
 /// avx512::dot's 16 partial sums per column as two vectors (keys i..i+7 and i+16..i+23 into the
 /// first, i+8..i+15 and i+24..i+31 into the second), four columns per pass over p (16 vector
 /// registers).
@@ -277,11 +288,7 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
       }
     }
     for (int c = 0; c < kPass; ++c) {
-      alignas(32) float lanes[16];
-      _mm256_store_ps(lanes, lo[c]);
-      _mm256_store_ps(lanes + 8, hi[c]);
-      float sum = 0;
-      for (const float l : lanes) sum += l;
+      float sum = laneSum(lo[c], hi[c]);
       for (Index t = i; t < n; ++t) sum = std::fma(p[t], float(x[(c0 + c) * stride + t]), sum);
       out[c0 + c] = sum;
     }
@@ -317,11 +324,7 @@ SDPA_HALF_TARGET void dotRows(const float* const* p, Index offset, const H* x, I
       }
     }
     for (int m = 0; m < Rows; ++m) {
-      alignas(32) float lanes[16];
-      _mm256_store_ps(lanes, lo[m]);
-      _mm256_store_ps(lanes + 8, hi[m]);
-      float sum = 0;
-      for (const float l : lanes) sum += l;
+      float sum = laneSum(lo[m], hi[m]);
       for (Index t = i; t < n; ++t) sum = std::fma(p[m][offset + t], float(xc[t]), sum);
       out[m][c] = sum;
     }
@@ -402,37 +405,27 @@ void axpyAllRows(Path path, const float* const* a, Index R, const H* x, Index st
         const Index g = !close && c + 8 <= d ? 8 : 1;
         for (Index m = 0; m < rows; ++m) ar[m] = a[r0 + m] + c;
         const H* xc = x + c * stride;
-        if (g == 8) {
+        const auto pass = [&](auto columns) {
+          constexpr int G = decltype(columns)::value;
           switch (rows) {
             case 1:
-              avx2::axpyRows<8, 1>(ar, xc, stride, s + r0, n);
+              avx2::axpyRows<G, 1>(ar, xc, stride, s + r0, n);
               break;
             case 2:
-              avx2::axpyRows<8, 2>(ar, xc, stride, s + r0, n);
+              avx2::axpyRows<G, 2>(ar, xc, stride, s + r0, n);
               break;
             case 3:
-              avx2::axpyRows<8, 3>(ar, xc, stride, s + r0, n);
+              avx2::axpyRows<G, 3>(ar, xc, stride, s + r0, n);
               break;
             default:
-              avx2::axpyRows<8, 4>(ar, xc, stride, s + r0, n);
+              avx2::axpyRows<G, 4>(ar, xc, stride, s + r0, n);
               break;
           }
-        } else {
-          switch (rows) {
-            case 1:
-              avx2::axpyRows<1, 1>(ar, xc, stride, s + r0, n);
-              break;
-            case 2:
-              avx2::axpyRows<1, 2>(ar, xc, stride, s + r0, n);
-              break;
-            case 3:
-              avx2::axpyRows<1, 3>(ar, xc, stride, s + r0, n);
-              break;
-            default:
-              avx2::axpyRows<1, 4>(ar, xc, stride, s + r0, n);
-              break;
-          }
-        }
+        };
+        if (g == 8)
+          pass(std::integral_constant<int, 8>{});
+        else
+          pass(std::integral_constant<int, 1>{});
         c += g;
       }
     }
