@@ -139,6 +139,13 @@ struct ColumnsAhead {
     for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
     __builtin_prefetch(r + bytes - 1, 0, 2);
   }
+  /// Requests the first d columns now, a line at a time over their span (where a kernel reads
+  /// the piece from elsewhere: half values, half keys converted first; measured faster so for
+  /// half blocks of 16 keys).
+  void all(Index d) const {
+    if (!p) return;
+    for (Index b = 0; b < (d - 1) * ld + bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  }
 };
 
 /// Float rows of weights against float value spans (each span: count keys, column stride ld,
@@ -397,7 +404,8 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
     for (; R - r0 >= kWideLogitRows; r0 += kWideLogitRows)
       logitsRowsWide<kWideLogitRows, kWideLogitPackets>(a + r0, k, ldk, d, n, s + r0, pf);
   const bool close = columnsClose<T>(ldk);
-  const Index first = r0;  // the narrow pass that requests the piece ahead
+  const Index first = r0;        // the narrow pass that requests the piece ahead
+  if (first == R) ahead.all(d);  // none: the wide passes read the piece from elsewhere
   const ColumnsAhead none;
   for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
@@ -468,15 +476,11 @@ void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, In
     // column at a time as this one's columns are read (float), or at once (half: measured
     // faster so, blocks of 16 keys), as the logits' pieces (decode_cache_impl::logits).
     ColumnsAhead ahead;
-    if (t + 2 < nSpans && spans[t + 2].count <= ColumnsAhead::kKeys) {
-      const SpanOf<T>& next = spans[t + 2];
-      if constexpr (std::is_same_v<T, float>) {
-        ahead = ColumnsAhead(next.v, next.ld, next.count);
-      } else {
-        const char* c = reinterpret_cast<const char*>(next.v);
-        const Index bytes = ((dV - 1) * next.ld + next.count) * Index(sizeof(T));
-        for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
-      }
+    if (t + 2 < nSpans && spans[t + 2].count <= ColumnsAhead::kKeys)
+      ahead = ColumnsAhead(spans[t + 2].v, spans[t + 2].ld, spans[t + 2].count);
+    if constexpr (!std::is_same_v<T, float>) {
+      ahead.all(dV);
+      ahead = ColumnsAhead();
     }
     const ColumnsAhead none;
     const float* pr[4];
@@ -740,13 +744,6 @@ struct decode_cache_impl {
     }
   }
 
-  /// n elements from p into L2, a line at a time.
-  template <typename T>
-  static void prefetchRun(const T* p, Index n) {
-    const char* c = reinterpret_cast<const char*>(p);
-    const Index bytes = n * Index(sizeof(T));
-    for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
-  }
   static constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   /// Pieces of fewer keys on average are short (valuesShortSpans); the fused half kernels need
   /// runs of at least kFusedRun keys (their loops take 32 keys at a time).
@@ -827,7 +824,7 @@ struct decode_cache_impl {
         // Float storage, or short half pieces widened in Eigen's packets: in place.
         logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch, ahead);
       } else {
-        if (ahead.p) prefetchRun(ahead.p, (dK - 1) * ahead.ld + ahead.bytes);
+        ahead.all(dK);
         // Short pieces (or no F16C): the piece's columns converted into L1/L2 (halfToFloat), then
         // float's kernel.
         float* kf = sc.kf.get(p.count * dK);

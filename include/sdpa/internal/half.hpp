@@ -294,28 +294,24 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
     }
   }
 }
+
 /// dot for Rows rows at once, a column at a time: out[m][c] = sum_i p[m][offset + i] x_c[i] for
-/// the d columns, each packet of x widened once for every row; the next column's run requested
-/// as this one is read (one column stream at a time, whose runs of a chunk's keys the hardware
-/// prefetcher does not cross). Each dot is dot's, to the bit: the same two vectors of partial
-/// sums, the same reduction and tail.
+/// the d columns, each packet of x widened once for every row; the next two columns' runs
+/// requested as this one is read (one column stream at a time, whose runs of a chunk's keys the
+/// hardware prefetcher does not cross). Each dot is dot's, to the bit: the same two vectors of
+/// partial sums, the same reduction and tail.
 template <int Rows, typename H>
 SDPA_HALF_TARGET void dotRows(const float* const* p, Index offset, const H* x, Index stride, Index d, Index n,
                               float* const* out) {
   for (Index c = 0; c < d; ++c) {
     const H* xc = x + c * stride;
-    const char* next = c + 1 < d ? reinterpret_cast<const char*>(xc + stride) : nullptr;
-    const char* next2 = c + 2 < d ? reinterpret_cast<const char*>(xc + 2 * stride) : nullptr;
+    const Index next = std::min<Index>(2, d - 1 - c);  // columns after this one to request
     __m256 lo[Rows], hi[Rows];
     for (int m = 0; m < Rows; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
     Index i = 0;
     for (; i + 32 <= n; i += 32) {
-      if (next)
-        for (Index b = 0; b < 32 * Index(sizeof(H)); b += 64)
-          _mm_prefetch(next + i * Index(sizeof(H)) + b, _MM_HINT_T0);
-      if (next2)
-        for (Index b = 0; b < 32 * Index(sizeof(H)); b += 64)
-          _mm_prefetch(next2 + i * Index(sizeof(H)) + b, _MM_HINT_T0);
+      for (Index k = 1; k <= next; ++k)  // 32 keys: one line (H is 2 bytes)
+        _mm_prefetch(reinterpret_cast<const char*>(xc + k * stride + i), _MM_HINT_T0);
       const __m256 x0 = widen(xc + i), x1 = widen(xc + i + 8), x2 = widen(xc + i + 16), x3 = widen(xc + i + 24);
       for (int m = 0; m < Rows; ++m) {
         const float* pm = p[m] + offset + i;

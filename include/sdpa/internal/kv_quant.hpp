@@ -74,12 +74,16 @@ Index groupBytes(Index d) {
 /// it or g + 1 lies past a jump in memory (the first groups of a paged block, which the hardware
 /// prefetcher does not reach: a q8 cache's blocks of 32 keys decoded 1.5-2.6x slower than the
 /// contiguous cache without the requests, 1.1x with them); else null (requests in a contiguous
-/// run of groups cost 8% there).
+/// run of groups cost 8% there). Its d scales are requested now; the kernels request its codes
+/// a line at a time as they read group g's (all at once, the lines queue behind each other and
+/// the kernel's own reads wait: decode_cache.hpp's ColumnsAhead).
 template <typename F, bool Keys>
 const unsigned char* groupAhead(const unsigned char* const* groups, Index g, Index n, Index d) {
   if (g + 2 >= n) return nullptr;
   const Index bytes = groupBytes<F, Keys>(d);
-  return groups[g + 1] == groups[g] + bytes && groups[g + 2] == groups[g + 1] + bytes ? nullptr : groups[g + 2];
+  if (groups[g + 1] == groups[g] + bytes && groups[g + 2] == groups[g + 1] + bytes) return nullptr;
+  for (Index b = 0; b < d * Index(sizeof(std::uint16_t)); b += 64) __builtin_prefetch(groups[g + 2] + b, 0, 2);
+  return groups[g + 2];
 }
 
 /// Where key i (< 32) of channel c has its code byte (q8), or its nibble's byte (q4).
@@ -549,10 +553,7 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    // groupAhead's group, requested as this one is read (logitsPaired's reason).
-    const unsigned char* ahead = groupAhead<F, true>(groups, g, n, d);
-    if (ahead)
-      for (Index b = 0; b < d * Index(sizeof(std::uint16_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    const unsigned char* ahead = groupAhead<F, true>(groups, g, n, d);  // its codes: logitsRows
     for (Index r = 0; r < R; ++r) {
       float* ar = as + r * d;
       __m256 sum = _mm256_setzero_ps();
@@ -601,11 +602,7 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    // groupAhead's group, requested as this one is read (logitsPaired's reason): its scales
-    // now, its codes 8 channels at a time.
-    const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);
-    if (ahead)
-      for (Index b = 0; b < codeBase; b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);  // its codes: 8 channels at a time
     __m256 pv[Rows][4];
     float psum[Rows];
     for (int m = 0; m < Rows; ++m) {
@@ -749,12 +746,7 @@ SDPA_QUANT_TARGET inline void logitsPaired(const float* const* a, Index R, const
   for (Index g = 0; g < n; ++g) {
     const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
     const unsigned char* codes = groups[g] + d * Index(sizeof(std::uint16_t));
-    // groupAhead's group, requested a line at a time as this group's lines are read: its
-    // scales now, its codes a pair at a time (decode_cache.hpp's ColumnsAhead: requested all
-    // at once, the lines queue behind each other and the kernel's own reads wait).
-    const unsigned char* ahead = groupAhead<kv::Q8, true>(groups, g, n, d);
-    if (ahead)
-      for (Index b = 0; b < d * Index(sizeof(std::uint16_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    const unsigned char* ahead = groupAhead<kv::Q8, true>(groups, g, n, d);  // its codes: pairedRows
     for (Index r = 0; r < R; ++r) ws[r] = int16Weights(a[r], scales, d, W + r * dp, w);
     for (Index r0 = 0; r0 < R; r0 += kRows) {
       const Index rows = std::min(kRows, R - r0);
