@@ -172,7 +172,11 @@ TEST_CASE("the diagnostics' centred Gram matrices on every ISA path: within floa
       const auto check = [&](const sdpa::internal::Moments& got, const char* layout) {
         INFO(layout);
         REQUIRE(got.gram.rows() == d);
-        CHECK(((got.gram - gram).cwiseAbs().array() <= bound.array()).all());
+        REQUIRE(got.gram.cols() == d);
+        // The lower triangle is G's, the strict upper one zero (headInputs reads it so).
+        const Mat<double> lower = gram.triangularView<Eigen::Lower>();
+        CHECK(((got.gram - lower).cwiseAbs().array() <= bound.array()).all());
+        CHECK(got.gram.triangularView<Eigen::StrictlyUpper>().toDenseMatrix().isZero(0));
         CHECK(std::abs(got.variance - variance) <= varianceBound);
       };
       check(sdpa::internal::moments(Mat<float>(wide.leftCols(d))), "column-major");

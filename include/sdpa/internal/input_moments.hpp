@@ -62,12 +62,12 @@ void centredRows(const Eigen::MatrixBase<D>& x, Index i0, Index rows, const Eige
 }
 
 /**
- * (x - mean)^T (x - mean) (d x d, x n x d, mean its column means), in blocks of kMomentRows rows:
- * each block centred and multiplied in the accumulation type (float for float and half inputs),
- * the blocks summed in double. Float: the fast Gram kernel on a row-major centred copy of the
- * block, its columns padded with zeros to the kernel's tile;
- * on the portable path, and for double, Eigen's rank update. No n x d copy: a sink on a long
- * sequence would otherwise touch fresh pages on every call.
+ * The lower triangle of G = (x - mean)^T (x - mean) (d x d, x n x d, mean its column means; the
+ * strict upper triangle zero: the symmetric copy cost a fifth of the whole at d_k = 128), in
+ * blocks of kMomentRows rows: each block centred and multiplied in the accumulation type (float
+ * for float and half inputs), the blocks' lower triangles summed in double. Float: the fast Gram kernel on a row-major
+ * centred copy of the block, its columns padded with zeros to the kernel's tile; on the portable path, and for double,
+ * Eigen's rank update. No n x d copy: a sink on a long sequence would otherwise touch fresh pages on every call.
  */
 template <typename D>
 Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVectorXd& mean) {
@@ -88,9 +88,9 @@ Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVecto
         centredRows(x, i0, rows, mu, block);
         part.setZero();
         fast::gramLower(block.data(), rows, dPad, part.data());
-        g += part.topLeftCorner(d, d).template cast<double>();
+        g.template triangularView<Eigen::Lower>() += part.topLeftCorner(d, d).template cast<double>();
       }
-      return g.template selfadjointView<Eigen::Lower>();
+      return g;
     }
   }
   Eigen::MatrixXd g = Eigen::MatrixXd::Zero(d, d);
@@ -100,13 +100,13 @@ Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVecto
     block = x.middleRows(i0, rows).template cast<Acc>().rowwise() - mean.template cast<Acc>();
     part.setZero();
     part.template selfadjointView<Eigen::Lower>().rankUpdate(block.transpose());
-    g += part.template cast<double>();
+    g += part.template cast<double>();  // part's strict upper triangle stays zero
   }
-  return g.template selfadjointView<Eigen::Lower>();
+  return g;
 }
 
 /// What the summaries read of one head's q or k (n x d): the variance of its entries and the
-/// Gram matrix of its columns centred on their means.
+/// Gram matrix of its columns centred on their means (its lower triangle, the rest zero).
 struct Moments {
   double variance = 0;
   Eigen::MatrixXd gram;
@@ -130,7 +130,9 @@ inline HeadInputs headInputs(const Moments& q, const Moments& k, Index dK, Index
   HeadInputs in{dK, nK, tau, q.variance, k.variance};
   if (nQ > 1 && nK > 1) {
     const double norm = q.gram.trace() * k.gram.trace();
-    if (norm > 0) in.centredRatio = double(dK) * q.gram.cwiseProduct(k.gram).sum() / norm;
+    // <Gq, Gk>_F from the lower triangles: the strict ones count twice.
+    const double inner = 2 * q.gram.cwiseProduct(k.gram).sum() - q.gram.diagonal().dot(k.gram.diagonal());
+    if (norm > 0) in.centredRatio = double(dK) * inner / norm;
   }
   return in;
 }
