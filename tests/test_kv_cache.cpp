@@ -182,6 +182,43 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
   }
 }
 
+TEMPLATE_TEST_CASE("KvCache: fp16/bf16 K/V give the same bits on the AVX2 and AVX-512 column kernels", "[kvcache][isa]",
+                   Eigen::half, Eigen::bfloat16) {
+  // Long half pieces run the column kernels of internal/half.hpp: one query row at a time, or up
+  // to 4 rows at once (a GQA group, multi-token decoding) widening each packet once for them;
+  // both ISAs sum in the same order (half.hpp), so every ISA this CPU has gives the first one's
+  // bits. Row counts 1-12 per kv head (blocks of 4, 3, 2 and 1 rows), d 64 (8-column passes) and
+  // 40 (8 + one by one), contiguous and paged.
+  std::mt19937_64 gen(37);
+  const Index n = 3000;
+  for (const auto& [group, d] : {std::pair<Heads, Index>{Heads{8, 2}, 64}, {Heads{6, 2}, 40}}) {
+    const Heads heads = group;  // (a structured binding cannot be captured in C++17)
+    const Index H = heads.query, Hkv = heads.keyValue;
+    const Mat<float> k = kvRows(n, Hkv * d, gen), v = kvRows(n, Hkv * d, gen), q = kvRows(3, H * d, gen, 2.0f);
+    auto contiguous = KvCache<TestType>::contiguous({Hkv, d, d}, n);
+    contiguous.append(k, v);
+    auto paged = KvCache<TestType>::paged({Hkv, d, d}, 256, n / 256 + 1);
+    const Index seq = paged.addSequence();
+    paged.append(seq, k, v);
+    for (const Index nQ : {1, 2, 3}) {
+      INFO("Heads{" << H << ", " << Hkv << "}, d " << d << ", n_q " << nQ);
+      const Mat<float> qs = q.topRows(nQ);
+      Mat<float> first, firstPaged;
+      sdpa_test::forEachIsa([&](sdpa::internal::Isa isa) {
+        if (isa == sdpa::internal::Isa::Portable) return;
+        const Mat<float> got = sdpa::cachedAttention(qs, contiguous, heads),
+                         gotPaged = sdpa::cachedAttention(qs, paged.sequence(seq), heads);
+        if (first.size() == 0) {
+          first = got;
+          firstPaged = gotPaged;
+        }
+        CHECK((got.array() == first.array()).all());
+        CHECK((gotPaged.array() == firstPaged.array()).all());
+      });
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("KvCache ring: attention over the ring equals the sliding window over the whole sequence",
                    "[kvcache]", float, Eigen::half, sdpa::kv::Q8) {
   using Storage = TestType;

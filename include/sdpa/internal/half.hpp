@@ -6,6 +6,7 @@
 // of a column). Both pick F16C / AVX2 / AVX-512 at run time where the compiler can build them
 // (SDPA_HAS_ISA_DISPATCH), so that a build without -march gets them on every AVX2 CPU.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -175,6 +176,71 @@ SDPA_HALF_TARGET void dot(const float* p, const H* x, Index stride, Index n, flo
     for (const float l : lanes) sum += l;
     for (Index t = i; t < n; ++t) sum = std::fma(p[t], float(x[c * stride + t]), sum);
     out[c] = sum;
+  }
+}
+
+/// axpy for Rows rows at once (a GQA group, or the query rows of multi-token decoding): y_r (n)
+/// += sum_c a_r[c] x_c over G columns, each packet of x widened once for every row rather than
+/// once per row. Each y_r[i] takes axpy's fused multiply-adds in axpy's order: the same bits.
+template <int G, int Rows, typename H>
+SDPA_HALF_TARGET void axpyRows(const float* const* a, const H* x, Index stride, float* const* y, Index n) {
+  Index i = 0;
+  const Index ahead = n - kPrefetch;
+  for (; i + 32 <= n; i += 32) {
+    __m512 acc[Rows][2];
+    for (int m = 0; m < Rows; ++m) {
+      acc[m][0] = _mm512_loadu_ps(y[m] + i);
+      acc[m][1] = _mm512_loadu_ps(y[m] + i + 16);
+    }
+    for (int c = 0; c < G; ++c) {
+      const H* xc = x + c * stride + i;
+      if (i < ahead) prefetch(xc);
+      const __m512 x0 = widen(xc), x1 = widen(xc + 16);
+      for (int m = 0; m < Rows; ++m) {
+        const __m512 w = _mm512_set1_ps(a[m][c]);
+        acc[m][0] = _mm512_fmadd_ps(w, x0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w, x1, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < Rows; ++m) {
+      _mm512_storeu_ps(y[m] + i, acc[m][0]);
+      _mm512_storeu_ps(y[m] + i + 16, acc[m][1]);
+    }
+  }
+  for (; i < n; ++i)
+    for (int c = 0; c < G; ++c)
+      for (int m = 0; m < Rows; ++m) y[m][i] = std::fma(a[m][c], float(x[c * stride + i]), y[m][i]);
+}
+
+/// dot for Rows rows at once, a column at a time: out[m][c] = sum_i p[m][offset + i] x_c[i] for
+/// the d columns, each packet of x widened once for every row, the next two columns' runs
+/// requested as this one is read (as avx2::dotRows). Each dot is dot's, to the bit.
+template <int Rows, typename H>
+SDPA_HALF_TARGET void dotRows(const float* const* p, Index offset, const H* x, Index stride, Index d, Index n,
+                              float* const* out) {
+  for (Index c = 0; c < d; ++c) {
+    const H* xc = x + c * stride;
+    const Index next = std::min<Index>(2, d - 1 - c);
+    __m512 acc[Rows];
+    for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
+    Index i = 0;
+    for (; i + 32 <= n; i += 32) {
+      for (Index k = 1; k <= next; ++k)  // 32 keys: one line
+        _mm_prefetch(reinterpret_cast<const char*>(xc + k * stride + i), _MM_HINT_T0);
+      const __m512 x0 = widen(xc + i), x1 = widen(xc + i + 16);
+      for (int m = 0; m < Rows; ++m) {
+        const float* pm = p[m] + offset + i;
+        acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(pm + 16), x1, _mm512_fmadd_ps(_mm512_loadu_ps(pm), x0, acc[m]));
+      }
+    }
+    for (int m = 0; m < Rows; ++m) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[m]);
+      float sum = 0;
+      for (const float l : lanes) sum += l;
+      for (Index t = i; t < n; ++t) sum = std::fma(p[m][offset + t], float(xc[t]), sum);
+      out[m][c] = sum;
+    }
   }
 }
 #undef SDPA_HALF_TARGET
@@ -386,44 +452,50 @@ void axpyAll(Path path, const float* a, const H* x, Index stride, Index d, float
   for (; c < d; ++c) axpy<1>(path, a + c, x + c * stride, stride, s, n);
 }
 
-/// axpyAll for R rows (a[r], s[r]): on AVX2, up to 4 rows at a time through axpyRows (each x
-/// packet widened once for them); elsewhere row by row. The same bits as axpyAll row by row.
+/// f(std::integral_constant<int, rows>) for rows in 1..4.
+template <typename F>
+void withRows(Index rows, F&& f) {
+  switch (rows) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
+  }
+}
+
+/// axpyAll for R rows (a[r], s[r]): up to 4 rows at a time through axpyRows (each x packet
+/// widened once for them). The same bits as axpyAll row by row.
 template <typename H>
 void axpyAllRows(Path path, const float* const* a, Index R, const H* x, Index stride, Index d, float* const* s,
                  Index n) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (path == Path::Avx2 && R > 1) {
+  if (path != Path::None && R > 1) {
     const bool close = columnsClose<H>(stride);
     for (Index r0 = 0; r0 < R; r0 += 4) {
-      const Index rows = std::min<Index>(4, R - r0);
       const float* ar[4];
-      for (Index c = 0; c < d;) {
-        const Index g = !close && c + 8 <= d ? 8 : 1;
-        for (Index m = 0; m < rows; ++m) ar[m] = a[r0 + m] + c;
-        const H* xc = x + c * stride;
-        const auto pass = [&](auto columns) {
+      withRows(std::min<Index>(4, R - r0), [&](auto rowsC) {
+        constexpr int Rows = decltype(rowsC)::value;
+        const auto pass = [&](auto columns, const H* xc) {
           constexpr int G = decltype(columns)::value;
-          switch (rows) {
-            case 1:
-              avx2::axpyRows<G, 1>(ar, xc, stride, s + r0, n);
-              break;
-            case 2:
-              avx2::axpyRows<G, 2>(ar, xc, stride, s + r0, n);
-              break;
-            case 3:
-              avx2::axpyRows<G, 3>(ar, xc, stride, s + r0, n);
-              break;
-            default:
-              avx2::axpyRows<G, 4>(ar, xc, stride, s + r0, n);
-              break;
-          }
+          if (path == Path::Avx512)
+            avx512::axpyRows<G, Rows>(ar, xc, stride, s + r0, n);
+          else
+            avx2::axpyRows<G, Rows>(ar, xc, stride, s + r0, n);
         };
-        if (g == 8)
-          pass(std::integral_constant<int, 8>{});
-        else
-          pass(std::integral_constant<int, 1>{});
-        c += g;
-      }
+        for (Index c = 0; c < d;) {
+          const Index g = !close && c + 8 <= d ? 8 : 1;
+          for (Index m = 0; m < Rows; ++m) ar[m] = a[r0 + m] + c;
+          if (g == 8)
+            pass(std::integral_constant<int, 8>{}, x + c * stride);
+          else
+            pass(std::integral_constant<int, 1>{}, x + c * stride);
+          c += g;
+        }
+      });
     }
     return;
   }
@@ -441,30 +513,21 @@ void dotAll(Path path, const float* p, const H* x, Index stride, Index d, Index 
   for (; c < d; ++c) dot<1>(path, p, x + c * stride, stride, n, dots + c);
 }
 
-/// dotAll for R rows (p[r] + offset), into out[r] (d each): on AVX2, up to 4 rows at a time
-/// through dotRows (each x packet widened once for them); elsewhere row by row. The same bits
-/// as dotAll row by row.
+/// dotAll for R rows (p[r] + offset), into out[r] (d each): up to 4 rows at a time through
+/// dotRows (each x packet widened once for them). The same bits as dotAll row by row.
 template <typename H>
 void dotAllRows(Path path, const float* const* p, Index offset, Index R, const H* x, Index stride, Index d, Index n,
                 float* const* out) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (path == Path::Avx2 && R > 1) {
-    for (Index r0 = 0; r0 < R; r0 += 4) {
-      switch (std::min<Index>(4, R - r0)) {
-        case 1:
-          avx2::dotRows<1>(p + r0, offset, x, stride, d, n, out + r0);
-          break;
-        case 2:
-          avx2::dotRows<2>(p + r0, offset, x, stride, d, n, out + r0);
-          break;
-        case 3:
-          avx2::dotRows<3>(p + r0, offset, x, stride, d, n, out + r0);
-          break;
-        default:
-          avx2::dotRows<4>(p + r0, offset, x, stride, d, n, out + r0);
-          break;
-      }
-    }
+  if (path != Path::None && R > 1) {
+    for (Index r0 = 0; r0 < R; r0 += 4)
+      withRows(std::min<Index>(4, R - r0), [&](auto rowsC) {
+        constexpr int Rows = decltype(rowsC)::value;
+        if (path == Path::Avx512)
+          avx512::dotRows<Rows>(p + r0, offset, x, stride, d, n, out + r0);
+        else
+          avx2::dotRows<Rows>(p + r0, offset, x, stride, d, n, out + r0);
+      });
     return;
   }
 #endif
