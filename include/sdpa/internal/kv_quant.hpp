@@ -317,16 +317,22 @@ SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m512& x0, __m512
 
 /// Four partial sums per key, over the channels c = 0, 1, 2, 3 (mod 4), added at the end:
 /// one fused multiply-add chain per key would wait on the FMA latency (4 cycles) at every
-/// channel. Every row's arithmetic is the same whatever Rows.
+/// channel. Every row's arithmetic is the same whatever Rows. ahead (or null): the codes of the
+/// group to request, a line as each line is read (groupAhead).
 template <typename F, int Rows>
-SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out) {
+SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out,
+                                  const unsigned char* ahead) {
   constexpr int P = 4;
   __m512 acc[Rows][P][2];
   for (int m = 0; m < Rows; ++m)
     for (int t = 0; t < P; ++t) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_ps();
   Index c = 0;
+  const auto request = [&](Index channel) {
+    if (ahead && (channel * kCodeBytes<F>) % 64 == 0) __builtin_prefetch(ahead + channel * kCodeBytes<F>, 0, 2);
+  };
   for (; c + P <= d; c += P)
     for (int t = 0; t < P; ++t) {
+      request(c + t);
       __m512 x0, x1;
       load32<F>(codes + (c + t) * kCodeBytes<F>, x0, x1);
       for (int m = 0; m < Rows; ++m) {
@@ -336,6 +342,7 @@ SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigne
       }
     }
   for (int t = 0; c < d; ++c, ++t) {
+    request(c);
     __m512 x0, x1;
     load32<F>(codes + c * kCodeBytes<F>, x0, x1);
     for (int m = 0; m < Rows; ++m) {
@@ -361,6 +368,7 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
+    const unsigned char* ahead = groupAhead<F, true>(groups, g, n, d);  // its codes: logitsRows
     // as[r][c] = a[r][c] scale_gc, 16 channels at a time.
     Index c = 0;
     for (; c + 16 <= d; c += 16) {
@@ -378,15 +386,16 @@ SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsign
         asRows[m] = as + (r0 + m) * d;
         out[m] = s[r0 + m] + g * kGroup;
       }
+      const unsigned char* codesAhead = r0 == 0 && ahead ? ahead + d * Index(sizeof(std::uint16_t)) : nullptr;
       switch (rows) {
         case 1:
-          logitsRows<F, 1>(asRows, d, codes, out);
+          logitsRows<F, 1>(asRows, d, codes, out, codesAhead);
           break;
         case 2:
-          logitsRows<F, 2>(asRows, d, codes, out);
+          logitsRows<F, 2>(asRows, d, codes, out, codesAhead);
           break;
         default:
-          logitsRows<F, 3>(asRows, d, codes, out);
+          logitsRows<F, 3>(asRows, d, codes, out, codesAhead);
           break;
       }
     }
@@ -406,6 +415,7 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
+    const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);  // its codes: 8 channels at a time
     __m512 p0[Rows], p1[Rows];
     for (int m = 0; m < Rows; ++m) {
       p0[m] = _mm512_loadu_ps(p[m] + g * kGroup);
@@ -413,6 +423,9 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
     }
     for (Index c0 = 0; c0 < d; c0 += 8) {
       const Index cols = std::min<Index>(8, d - c0);
+      if (ahead)
+        for (Index b = 0; b < cols * kCodeBytes<F>; b += 64)
+          __builtin_prefetch(ahead + codeBase + c0 * kCodeBytes<F> + b, 0, 2);
       // Eight scales converted at once (a broadcast from memory then costs no shuffle).
       alignas(32) float sc8[8];
       if (cols == 8)
