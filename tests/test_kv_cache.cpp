@@ -71,6 +71,21 @@ void checkAgainstWhole(const sdpa::KvSequence<Storage>& seq, const Mat<float>& q
   });
 }
 
+/// The same keys (k, v: n rows of Hkv heads of d) in a contiguous cache and in a paged one's
+/// sequence seq (blocks of `block` keys).
+template <typename Storage>
+struct BothCaches {
+  KvCache<Storage> contiguous, paged;
+  Index seq;
+  BothCaches(const Mat<float>& k, const Mat<float>& v, Index Hkv, Index d, Index block)
+      : contiguous(KvCache<Storage>::contiguous({Hkv, d, d}, k.rows())),
+        paged(KvCache<Storage>::paged({Hkv, d, d}, block, k.rows() / block + 1)),
+        seq(paged.addSequence()) {
+    contiguous.append(k, v);
+    paged.append(seq, k, v);
+  }
+};
+
 /// Appends rows [from, to) of k and v to a sequence in chunks of the given sizes, cycling.
 template <typename Storage>
 void appendInChunks(KvCache<Storage>& cache, Index seq, const Mat<float>& k, const Mat<float>& v, Index from, Index to,
@@ -157,11 +172,9 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
   for (const auto& [heads, d] : {std::pair<Heads, Index>{Heads{1}, 128}, {Heads{8, 2}, 64}, {Heads{3, 1}, 40}}) {
     const Index H = heads.query, Hkv = heads.keyValue;
     const Mat<float> k = kvRows(n, Hkv * d, gen), v = kvRows(n, Hkv * d, gen), q = kvRows(16, H * d, gen, 2.0f);
-    auto contiguous = KvCache<TestType>::contiguous({Hkv, d, d}, n);
-    contiguous.append(k, v);
-    auto paged = KvCache<TestType>::paged({Hkv, d, d}, 32, n / 32 + 1);
-    const Index seq = paged.addSequence();
-    paged.append(seq, k, v);
+    BothCaches<TestType> caches(k, v, Hkv, d, 32);
+    const auto &contiguous = caches.contiguous, &paged = caches.paged;
+    const Index seq = caches.seq;
     for (const Index nQ : {3, 16}) {
       INFO("Heads{" << H << ", " << Hkv << "}, d " << d << ", n_q " << nQ);
       const Mat<float> qs = q.topRows(nQ);
@@ -195,11 +208,9 @@ TEMPLATE_TEST_CASE("KvCache: fp16/bf16 K/V give the same bits on the AVX2 and AV
     const Heads heads = group;  // (a structured binding cannot be captured in C++17)
     const Index H = heads.query, Hkv = heads.keyValue;
     const Mat<float> k = kvRows(n, Hkv * d, gen), v = kvRows(n, Hkv * d, gen), q = kvRows(3, H * d, gen, 2.0f);
-    auto contiguous = KvCache<TestType>::contiguous({Hkv, d, d}, n);
-    contiguous.append(k, v);
-    auto paged = KvCache<TestType>::paged({Hkv, d, d}, 256, n / 256 + 1);
-    const Index seq = paged.addSequence();
-    paged.append(seq, k, v);
+    BothCaches<TestType> caches(k, v, Hkv, d, 256);
+    const auto &contiguous = caches.contiguous, &paged = caches.paged;
+    const Index seq = caches.seq;
     for (const Index nQ : {1, 2, 3}) {
       INFO("Heads{" << H << ", " << Hkv << "}, d " << d << ", n_q " << nQ);
       const Mat<float> qs = q.topRows(nQ);
