@@ -65,9 +65,10 @@ void centredRows(const Eigen::MatrixBase<D>& x, Index i0, Index rows, const Eige
  * The lower triangle of G = (x - mean)^T (x - mean) (d x d, x n x d, mean its column means; the
  * strict upper triangle zero: the symmetric copy cost a fifth of the whole at d_k = 128), in
  * blocks of kMomentRows rows: each block centred and multiplied in the accumulation type (float
- * for float and half inputs), the blocks' lower triangles summed in double. Float: the fast Gram kernel on a row-major
- * centred copy of the block, its columns padded with zeros to the kernel's tile; on the portable path, and for double,
- * Eigen's rank update. No n x d copy: a sink on a long sequence would otherwise touch fresh pages on every call.
+ * for float and half inputs), the blocks' lower triangles summed in double. Float: the fast Gram
+ * kernel on a row-major centred copy of the block, its columns padded with zeros to the kernel's
+ * tile; on the portable path, and for double, Eigen's rank update. No n x d copy: a sink on a
+ * long sequence would otherwise touch fresh pages on every call.
  */
 template <typename D>
 Eigen::MatrixXd centredGram(const Eigen::MatrixBase<D>& x, const Eigen::RowVectorXd& mean) {
