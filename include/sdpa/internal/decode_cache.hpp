@@ -132,10 +132,19 @@ struct ColumnsAhead {
   ColumnsAhead(const T* columns, Index ldColumns, Index rows)
       : p(reinterpret_cast<const char*>(columns)), ld(ldColumns * Index(sizeof(T))), bytes(rows * Index(sizeof(T))) {}
   /// Requests column c's lines: its first and last byte's, and every 64 bytes between. Lines
-  /// that neighbouring columns share are requested again (measured faster than once each).
+  /// that neighbouring columns share are requested again (measured faster than once each for
+  /// fp32 blocks of 16 keys on an AVX2 EPYC); where columns are shorter than a line (fp16 blocks
+  /// of 16 keys: two columns a line), each line once, by the first column in it (one token 2.27
+  /// -> 2.13 ms on a Xeon with AVX-512, against the whole piece requested at once).
   void column(Index c) const {
     if (!p) return;
     const char* r = p + c * ld;
+    if (bytes < 64) {  // columns shorter than a line: each line once, from the first column in it
+      const auto line = [](const char* x) { return reinterpret_cast<std::uintptr_t>(x) >> 6; };
+      if (c == 0 || line(r) != line(r - ld + bytes - 1)) __builtin_prefetch(r, 0, 2);
+      if (line(r + bytes - 1) != line(r)) __builtin_prefetch(r + bytes - 1, 0, 2);
+      return;
+    }
     for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
     __builtin_prefetch(r + bytes - 1, 0, 2);
   }
@@ -474,17 +483,11 @@ void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, In
     const SpanOf<T>& sp = spans[t];
     // Short spans (blocks of up to 64 keys, a few KiB each): the span after next requested, a
     // column at a time as this one's columns are read, as the logits' pieces
-    // (decode_cache_impl::logits); at once where its columns are shorter than a line (half
-    // blocks of 16 keys), which neighbouring columns share. Measured on a Xeon (AVX-512), fp16,
-    // d 128, one token: blocks of 16 keys 2.19 ms at once against 2.34 column-wise, blocks of 64
-    // 1.92 at once against 1.65 column-wise (contiguous 1.33).
+    // (decode_cache_impl::logits). Half blocks were requested at once until session 28: on a
+    // Xeon (AVX-512), fp16, d 128, one token, blocks of 64 keys 1.92 ms so against 1.65.
     ColumnsAhead ahead;
     if (t + 2 < nSpans && spans[t + 2].count <= ColumnsAhead::kKeys)
       ahead = ColumnsAhead(spans[t + 2].v, spans[t + 2].ld, spans[t + 2].count);
-    if (ahead.bytes < 64) {
-      ahead.all(dV);
-      ahead = ColumnsAhead();
-    }
     const ColumnsAhead none;
     const float* pr[4];
     for (Index r0 = 0; r0 < R; r0 += 4) {
