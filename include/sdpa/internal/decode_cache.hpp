@@ -438,6 +438,30 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
   }
 }
 
+/// valuesSpanByColumn over a span of exactly P packets of keys, the rows' weights held in
+/// registers: per (row, column) the same fused multiply-adds in the same order.
+template <int Rows, int P, typename T>
+void valuesColumnsHeld(const float* const* pr, const T* v, Index ldv, Index dV, float* acc, Index ld,
+                       const ColumnsAhead& ahead) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<float>::type;
+  constexpr Index W = ei::packet_traits<float>::size;
+  Packet pm[Rows][P];
+  for (int m = 0; m < Rows; ++m)
+    for (int b = 0; b < P; ++b) pm[m][b] = ei::ploadu<Packet>(pr[m] + b * W);
+  for (Index c = 0; c < dV; ++c) {
+    ahead.column(c);
+    Packet x[P];
+    for (int b = 0; b < P; ++b) x[b] = loadFloats(v + c * ldv + b * W);
+    for (int m = 0; m < Rows; ++m) {
+      float* a = acc + m * ld + c * W;
+      Packet sum = ei::ploadu<Packet>(a);
+      for (int b = 0; b < P; ++b) sum = ei::pmadd(pm[m][b], x[b], sum);
+      ei::pstoreu(a, sum);
+    }
+  }
+}
+
 /// valuesShortSpans's pass over one span for Rows rows: a column at a time over the span's keys
 /// (address order where the columns are close), the rows' partial sums of the column in
 /// registers, kept in acc (ld: the rows' stride in acc) between spans.
@@ -447,10 +471,33 @@ void valuesSpanByColumn(const float* const* pr, const SpanOf<T>& sp, Index dV, f
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
-  const Index whole = sp.count / W * W;
+  // The span's fields in locals: through sp the compiler reloads them at every column (the
+  // stores to acc may alias them, for all it knows).
+  const T* const v = sp.v;
+  const Index ldv = sp.ld, count = sp.count, whole = count / W * W;
+  // A paged block of 1 to 4 packets of keys: the weights' packets held in registers across the
+  // columns, where they fit (they were reloaded at every column).
+  constexpr Index kHeld = std::min<Index>(4, (EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS - 2) / Rows - 1);
+  if (count == whole && whole <= kHeld * W) {
+    switch (whole / W) {
+      case 1:
+        return valuesColumnsHeld<Rows, 1>(pr, v, ldv, dV, acc, ld, ahead);
+      case 2:
+        if constexpr (kHeld >= 2) return valuesColumnsHeld<Rows, 2>(pr, v, ldv, dV, acc, ld, ahead);
+        break;
+      case 3:
+        if constexpr (kHeld >= 3) return valuesColumnsHeld<Rows, 3>(pr, v, ldv, dV, acc, ld, ahead);
+        break;
+      case 4:
+        if constexpr (kHeld >= 4) return valuesColumnsHeld<Rows, 4>(pr, v, ldv, dV, acc, ld, ahead);
+        break;
+      default:
+        break;
+    }
+  }
   for (Index c = 0; c < dV; ++c) {
     ahead.column(c);
-    const T* vc = sp.v + c * sp.ld;
+    const T* vc = v + c * ldv;
     Packet sum[Rows];
     for (int m = 0; m < Rows; ++m) sum[m] = ei::ploadu<Packet>(acc + m * ld + c * W);
     for (Index j = 0; j < whole; j += W) {
@@ -458,7 +505,7 @@ void valuesSpanByColumn(const float* const* pr, const SpanOf<T>& sp, Index dV, f
       for (int m = 0; m < Rows; ++m) sum[m] = ei::pmadd(ei::ploadu<Packet>(pr[m] + j), x, sum[m]);
     }
     for (int m = 0; m < Rows; ++m) ei::pstoreu(acc + m * ld + c * W, sum[m]);
-    for (Index j = whole; j < sp.count; ++j)
+    for (Index j = whole; j < count; ++j)
       for (int m = 0; m < Rows; ++m) tail[m * dV + c] = std::fma(pr[m][j], float(vc[j]), tail[m * dV + c]);
   }
 }
