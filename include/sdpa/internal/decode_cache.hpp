@@ -127,10 +127,42 @@ struct ColumnsAhead {
   const char* p = nullptr;
   Index ld = 0, bytes = 0;  // column stride and run, in bytes
 
+  /**
+   * Whether pieces are requested ahead at all: not on Intel CPUs. One token, d 128, the pieces'
+   * time over the contiguous cache's: on an AMD EPYC (Zen 4, session 27) fp32 blocks of 16 keys
+   * 1.58-1.69x without the requests, 1.16-1.21x with them; on an Emerald Rapids Xeon (session 28)
+   * fp32 blocks of 16 keys 0.99-1.00x without, 1.10x with, fp16 blocks of 16 1.32-1.33x
+   * without, 1.99x with. (Until session 28 GCC 12 had compiled column()'s __builtin_prefetch
+   * calls away in the kernels that inline it, hence request()'s asm statement.)
+   */
+  static bool wanted() {
+#if SDPA_HAS_ISA_DISPATCH
+    static const bool on = [] {
+      __builtin_cpu_init();
+      return !__builtin_cpu_is("intel");
+    }();
+    return on;
+#else
+    return true;
+#endif
+  }
+
+  /// Requests x's line into L2 (prefetcht1): an asm statement on x86, which the compiler keeps.
+  static void request(const char* x) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __asm__ volatile("prefetcht1 %0" : : "m"(*x));
+#else
+    __builtin_prefetch(x, 0, 2);
+#endif
+  }
+
   ColumnsAhead() = default;
+  /// columns: the piece's first column (null where wanted() is false: nothing is requested).
   template <typename T>
   ColumnsAhead(const T* columns, Index ldColumns, Index rows)
-      : p(reinterpret_cast<const char*>(columns)), ld(ldColumns * Index(sizeof(T))), bytes(rows * Index(sizeof(T))) {}
+      : p(wanted() ? reinterpret_cast<const char*>(columns) : nullptr),
+        ld(ldColumns * Index(sizeof(T))),
+        bytes(rows * Index(sizeof(T))) {}
   /// Requests column c's lines: its first and last byte's, and every 64 bytes between. Lines
   /// that neighbouring columns share are requested again (measured faster than once each for
   /// fp32 blocks of 16 keys on an AVX2 EPYC); where columns are shorter than a line (fp16 blocks
@@ -141,21 +173,38 @@ struct ColumnsAhead {
     const char* r = p + c * ld;
     if (bytes < 64) {  // columns shorter than a line: each line once, from the first column in it
       const auto line = [](const char* x) { return reinterpret_cast<std::uintptr_t>(x) >> 6; };
-      if (c == 0 || line(r) != line(r - ld + bytes - 1)) __builtin_prefetch(r, 0, 2);
-      if (line(r + bytes - 1) != line(r)) __builtin_prefetch(r + bytes - 1, 0, 2);
+      if (c == 0 || line(r) != line(r - ld + bytes - 1)) request(r);
+      if (line(r + bytes - 1) != line(r)) request(r + bytes - 1);
       return;
     }
-    for (Index b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
-    __builtin_prefetch(r + bytes - 1, 0, 2);
+    for (Index b = 0; b < bytes; b += 64) request(r + b);
+    request(r + bytes - 1);
   }
   /// Requests the first d columns now, a line at a time over their span (where a kernel reads
   /// the piece from elsewhere: half values, half keys converted first; measured faster so for
   /// half blocks of 16 keys).
   void all(Index d) const {
     if (!p) return;
-    for (Index b = 0; b < (d - 1) * ld + bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+    for (Index b = 0; b < (d - 1) * ld + bytes; b += 64) request(p + b);
   }
 };
+
+/// ColumnsAhead's stand-in where nothing is requested: the kernels are instantiated for it, so
+/// that their loops carry no request code (a check per column measured 5-8% on fp16 blocks of
+/// 16 keys).
+struct NoColumnsAhead {
+  void column(Index) const {}
+  void all(Index) const {}
+};
+
+/// f(ahead) where ahead requests something, else f(NoColumnsAhead{}).
+template <typename F>
+void withAhead(const ColumnsAhead& ahead, F&& f) {
+  if (ahead.p)
+    f(ahead);
+  else
+    f(NoColumnsAhead{});
+}
 
 /// Float rows of weights against float value spans (each span: count keys, column stride ld,
 /// at offset `offset` of the weights): dots[r][c] = sum over the spans' keys in order, packets
@@ -335,9 +384,8 @@ void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index
 
 /// decode_rows::logits over a piece of at most J key packets (a paged block of 16 or 32 keys): the
 /// packets' partial sums in registers over all d columns, read in address order.
-template <int Rows, int J, typename T>
-void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d, float* const* s,
-                           const ColumnsAhead ahead) {
+template <int Rows, int J, typename T, typename Ahead>
+void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d, float* const* s, const Ahead ahead) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
@@ -361,9 +409,9 @@ void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d
 /// column at a time over the piece's keys (the logits in L1 between columns), or all columns
 /// over key packets held in registers where the piece has at most four. The same arithmetic per
 /// (row, key): columns in order, one FMA each.
-template <int Rows, typename T>
+template <int Rows, typename T, typename Ahead>
 void logitsRowsByColumn(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s,
-                        const ColumnsAhead& ahead) {
+                        const Ahead& ahead) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
@@ -419,19 +467,23 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
   for (; r0 < R; r0 += 4) {
     switch (std::min<Index>(4, R - r0)) {
       case 1:
-        close ? logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0, r0 == first ? ahead : none)
+        close ? withAhead(r0 == first ? ahead : none,
+                          [&](const auto& ah) { logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0, ah); })
               : decode_rows::logits<1, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 2:
-        close ? logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0, r0 == first ? ahead : none)
+        close ? withAhead(r0 == first ? ahead : none,
+                          [&](const auto& ah) { logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0, ah); })
               : decode_rows::logits<2, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       case 3:
-        close ? logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0, r0 == first ? ahead : none)
+        close ? withAhead(r0 == first ? ahead : none,
+                          [&](const auto& ah) { logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0, ah); })
               : decode_rows::logits<3, true>(a + r0, k, ldk, d, n, s + r0);
         break;
       default:
-        close ? logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0, r0 == first ? ahead : none)
+        close ? withAhead(r0 == first ? ahead : none,
+                          [&](const auto& ah) { logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0, ah); })
               : decode_rows::logits<4, true>(a + r0, k, ldk, d, n, s + r0);
         break;
     }
@@ -440,9 +492,9 @@ void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, 
 
 /// valuesSpanByColumn over a span of exactly P packets of keys, the rows' weights held in
 /// registers: per (row, column) the same fused multiply-adds in the same order.
-template <int Rows, int P, typename T>
+template <int Rows, int P, typename T, typename Ahead>
 void valuesColumnsHeld(const float* const* pr, const T* v, Index ldv, Index dV, float* acc, Index ld,
-                       const ColumnsAhead& ahead) {
+                       const Ahead& ahead) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
@@ -465,9 +517,9 @@ void valuesColumnsHeld(const float* const* pr, const T* v, Index ldv, Index dV, 
 /// valuesShortSpans's pass over one span for Rows rows: a column at a time over the span's keys
 /// (address order where the columns are close), the rows' partial sums of the column in
 /// registers, kept in acc (ld: the rows' stride in acc) between spans.
-template <int Rows, typename T>
+template <int Rows, typename T, typename Ahead>
 void valuesSpanByColumn(const float* const* pr, const SpanOf<T>& sp, Index dV, float* acc, Index ld, float* tail,
-                        const ColumnsAhead ahead) {
+                        const Ahead ahead) {
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<float>::type;
   constexpr Index W = ei::packet_traits<float>::size;
@@ -544,16 +596,20 @@ void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, In
       float* tl = tail + r0 * dV;
       switch (rows) {
         case 1:
-          valuesSpanByColumn<1>(pr, sp, dV, a, dV * W, tl, r0 == 0 ? ahead : none);
+          withAhead(r0 == 0 ? ahead : none,
+                    [&](const auto& ah) { valuesSpanByColumn<1>(pr, sp, dV, a, dV * W, tl, ah); });
           break;
         case 2:
-          valuesSpanByColumn<2>(pr, sp, dV, a, dV * W, tl, r0 == 0 ? ahead : none);
+          withAhead(r0 == 0 ? ahead : none,
+                    [&](const auto& ah) { valuesSpanByColumn<2>(pr, sp, dV, a, dV * W, tl, ah); });
           break;
         case 3:
-          valuesSpanByColumn<3>(pr, sp, dV, a, dV * W, tl, r0 == 0 ? ahead : none);
+          withAhead(r0 == 0 ? ahead : none,
+                    [&](const auto& ah) { valuesSpanByColumn<3>(pr, sp, dV, a, dV * W, tl, ah); });
           break;
         default:
-          valuesSpanByColumn<4>(pr, sp, dV, a, dV * W, tl, r0 == 0 ? ahead : none);
+          withAhead(r0 == 0 ? ahead : none,
+                    [&](const auto& ah) { valuesSpanByColumn<4>(pr, sp, dV, a, dV * W, tl, ah); });
           break;
       }
     }
