@@ -166,8 +166,9 @@ struct ColumnsAhead {
   /// Requests column c's lines: its first and last byte's, and every 64 bytes between. Lines
   /// that neighbouring columns share are requested again (measured faster than once each for
   /// fp32 blocks of 16 keys on an AVX2 EPYC); where columns are shorter than a line (fp16 blocks
-  /// of 16 keys: two columns a line), each line once, by the first column in it (one token 2.27
-  /// -> 2.13 ms on a Xeon with AVX-512, against the whole piece requested at once).
+  /// of 16 keys: two columns a line), each line once, by the first column in it (not yet
+  /// measured where wanted(): on the Xeon of session 28, where it seemed faster than the whole
+  /// piece at once, the compiler had dropped these requests).
   void column(Index c) const {
     if (!p) return;
     const char* r = p + c * ld;
