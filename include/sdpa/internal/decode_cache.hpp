@@ -128,7 +128,7 @@ struct ColumnsAhead {
   Index ld = 0, bytes = 0;  // column stride and run, in bytes
 
   /**
-   * Whether pieces are requested ahead at all: not on Intel CPUs. One token, d 128, the pieces'
+   * Whether column() requests are made (withAhead): not on Intel CPUs. One token, d 128, the pieces'
    * time over the contiguous cache's: on an AMD EPYC (Zen 4, session 27) fp32 blocks of 16 keys
    * 1.58-1.69x without the requests, 1.16-1.21x with them; on an Emerald Rapids Xeon (session 28)
    * fp32 blocks of 16 keys 0.99-1.00x without, 1.10x with, fp16 blocks of 16 1.32-1.33x
@@ -157,12 +157,9 @@ struct ColumnsAhead {
   }
 
   ColumnsAhead() = default;
-  /// columns: the piece's first column (null where wanted() is false: nothing is requested).
   template <typename T>
   ColumnsAhead(const T* columns, Index ldColumns, Index rows)
-      : p(wanted() ? reinterpret_cast<const char*>(columns) : nullptr),
-        ld(ldColumns * Index(sizeof(T))),
-        bytes(rows * Index(sizeof(T))) {}
+      : p(reinterpret_cast<const char*>(columns)), ld(ldColumns * Index(sizeof(T))), bytes(rows * Index(sizeof(T))) {}
   /// Requests column c's lines: its first and last byte's, and every 64 bytes between. Lines
   /// that neighbouring columns share are requested again (measured faster than once each for
   /// fp32 blocks of 16 keys on an AVX2 EPYC); where columns are shorter than a line (fp16 blocks
@@ -198,10 +195,10 @@ struct NoColumnsAhead {
   void all(Index) const {}
 };
 
-/// f(ahead) where ahead requests something, else f(NoColumnsAhead{}).
+/// f(ahead) where ahead has a piece and column-wise requests are wanted, else f(NoColumnsAhead{}).
 template <typename F>
 void withAhead(const ColumnsAhead& ahead, F&& f) {
-  if (ahead.p)
+  if (ahead.p && ColumnsAhead::wanted())
     f(ahead);
   else
     f(NoColumnsAhead{});
