@@ -166,10 +166,11 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
   // bit, whatever the row count (1 to 16 per head) and the group (rows of a GQA group's heads
   // share the blocks).
   // Several chunks of keys (1600 keys: 1 to 7 chunks by storage and d; float at d 128: 2), contiguous and
-  // paged.
+  // paged. d 37: the value kernels' last block of columns is short (37 = 9 x 4 + 1).
   std::mt19937_64 gen(31);
   const Index n = 1600;
-  for (const auto& [heads, d] : {std::pair<Heads, Index>{Heads{1}, 128}, {Heads{8, 2}, 64}, {Heads{3, 1}, 40}}) {
+  for (const auto& [heads, d] :
+       {std::pair<Heads, Index>{Heads{1}, 128}, {Heads{8, 2}, 64}, {Heads{3, 1}, 40}, {Heads{2, 1}, 37}}) {
     const Index H = heads.query, Hkv = heads.keyValue;
     const Mat<float> k = kvRows(n, Hkv * d, gen), v = kvRows(n, Hkv * d, gen), q = kvRows(16, H * d, gen, 2.0f);
     BothCaches<TestType> caches(k, v, Hkv, d, 32);

@@ -258,34 +258,36 @@ void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpan
       const float* vn[kCols] = {};  // the next block's columns (one row)
       if constexpr (Rows == 1)
         for (Index c = 0; c < kCols; ++c) vn[c] = sp.v + std::min(c0 + kCols + c, dV - 1) * sp.ld;
-      if (cols == kCols) {
-        for (Index j = 0; j < whole; j += W) {
-          if constexpr (Wide) cursor.step();
-          Packet pm[Rows];
-          for (int m = 0; m < Rows; ++m) {
-            pm[m] = ei::ploadu<Packet>(pr[m] + j);
-            if constexpr (kPinWeights) inRegister(pm[m]);
-          }
-          for (Index c = 0; c < kCols; ++c) {
-            Packet x = ei::ploadu<Packet>(vc[c] + j);
-            inRegister(x);
-            if (ahead) __builtin_prefetch(vn[c] + j, 0, 2);
-            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
-          }
+      // A last block of fewer than kCols columns repeats its last column (vc is clamped), the
+      // repeats' sums dropped: every loop below has compile-time bounds and acc, indexed by
+      // constants only, stays in registers. (A run-time bound on any of them made GCC keep all
+      // of acc on the stack, a load and a store around every multiply-add.)
+      for (Index j = 0; j < whole; j += W) {
+        if constexpr (Wide) cursor.step();
+        Packet pm[Rows];
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+          pm[m] = ei::ploadu<Packet>(pr[m] + j);
+          if constexpr (kPinWeights) inRegister(pm[m]);
         }
-      } else {
-        for (Index j = 0; j < whole; j += W)
-          for (Index c = 0; c < cols; ++c) {
-            const Packet x = ei::ploadu<Packet>(vc[c] + j);
-            for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(ei::ploadu<Packet>(pr[m] + j), x, acc[m][c]);
-          }
+#pragma GCC unroll 8
+        for (Index c = 0; c < kCols; ++c) {
+          Packet x = ei::ploadu<Packet>(vc[c] + j);
+          inRegister(x);
+          if (ahead) __builtin_prefetch(vn[c] + j, 0, 2);
+#pragma GCC unroll 8
+          for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
+        }
       }
       for (Index j = whole; j < sp.count; ++j)
         for (int m = 0; m < Rows; ++m)
-          for (Index c = 0; c < cols; ++c) tail[m][c] = std::fma(pr[m][j], vc[c][j], tail[m][c]);
+          for (Index c = 0; c < kCols; ++c) tail[m][c] = std::fma(pr[m][j], vc[c][j], tail[m][c]);
     }
+#pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m)
-      for (Index c = 0; c < cols; ++c) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
+#pragma GCC unroll 8
+      for (Index c = 0; c < kCols; ++c)
+        if (c < cols) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
   }
   if constexpr (Wide) pf->save(cursor);
 }

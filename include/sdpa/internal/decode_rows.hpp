@@ -126,8 +126,13 @@ void values(const float* const* p, const float* v, Index ldv, Index dV, Index n,
         for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
       }
     }
+    // Compile-time bounds (a short last block's repeated columns dropped): with `c < cols` as
+    // the loop's bound GCC kept acc on the stack, a load and a store around every FMA.
+#pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m)
-      for (Index c = 0; c < cols; ++c) {
+#pragma GCC unroll 8
+      for (Index c = 0; c < kCols; ++c) {
+        if (c >= cols) continue;
         float t = ei::predux(acc[m][c]);
         for (Index j = whole; j < n; ++j) t = std::fma(p[m][j], vc[c][j], t);
         dots[m][c0 + c] = t;

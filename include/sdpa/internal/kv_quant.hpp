@@ -330,7 +330,7 @@ SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigne
   const auto request = [&](Index channel) {
     if (ahead && (channel * kCodeBytes<F>) % 64 == 0) __builtin_prefetch(ahead + channel * kCodeBytes<F>, 0, 2);
   };
-  for (; c + P <= d; c += P)
+  for (; c + P <= d; c += P) {
     for (int t = 0; t < P; ++t) {
       request(c + t);
       __m512 x0, x1;
@@ -341,12 +341,18 @@ SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigne
         acc[m][t][1] = _mm512_fmadd_ps(w, x1, acc[m][t][1]);
       }
     }
-  for (int t = 0; c < d; ++c, ++t) {
-    request(c);
+  }
+  // The last d mod P channels into the first partial sums, t a compile-time index (a loop
+  // counter as acc's index had GCC keep all of acc on the stack: a load and a store around
+  // every multiply-add of the main loop too).
+#pragma GCC unroll 4
+  for (int t = 0; t < P; ++t) {
+    if (c + t >= d) continue;
+    request(c + t);
     __m512 x0, x1;
-    load32<F>(codes + c * kCodeBytes<F>, x0, x1);
+    load32<F>(codes + (c + t) * kCodeBytes<F>, x0, x1);
     for (int m = 0; m < Rows; ++m) {
-      const __m512 w = _mm512_set1_ps(as[m][c]);
+      const __m512 w = _mm512_set1_ps(as[m][c + t]);
       acc[m][t][0] = _mm512_fmadd_ps(w, x0, acc[m][t][0]);
       acc[m][t][1] = _mm512_fmadd_ps(w, x1, acc[m][t][1]);
     }
