@@ -59,7 +59,13 @@ inline constexpr Index kWideValueCols = 4;
  * one: a list of byte runs, one line fetched each time `step` has been called often enough that
  * the whole list is spread evenly over `steps` calls. With 8 or more query rows the products of
  * a chunk take longer than its memory stream; without this the stream and the products follow
- * each other (the hardware prefetcher does not run past a chunk's short column runs).
+ * each other (the hardware prefetcher does not run past a chunk's short column runs: AMD EPYC,
+ * sessions 25-26). Filled only where ColumnsAhead::wanted(): on an Emerald Rapids Xeon (session
+ * 29; d 128, one thread, kernels without spills) fp32 decoding of 8 query rows over 65536 keys
+ * took 6.2 ms with it and 4.3-4.4 without, 16 rows 8.6 and 7.3-7.4, GQA Heads{32, 4} at n_k 8192
+ * 2.67 and 2.18. (Likely, not measured, this VM has no hardware counters: its requests to
+ * memory, one or two per column of 24 FMAs, hold the line fill buffers that the kernels' own
+ * loads from L2 then wait for.)
  */
 struct ChunkPrefetch {
   struct Run {
@@ -128,12 +134,13 @@ struct ColumnsAhead {
   Index ld = 0, bytes = 0;  // column stride and run, in bytes
 
   /**
-   * Whether column() requests are made (withAhead): not on Intel CPUs. One token, d 128, the pieces'
-   * time over the contiguous cache's: on an AMD EPYC (Zen 4, session 27) fp32 blocks of 16 keys
-   * 1.58-1.69x without the requests, 1.16-1.21x with them; on an Emerald Rapids Xeon (session 28)
-   * fp32 blocks of 16 keys 0.99-1.00x without, 1.10x with, fp16 blocks of 16 1.32-1.33x
-   * without, 1.99x with. (Until session 28 GCC 12 had compiled column()'s __builtin_prefetch
-   * calls away in the kernels that inline it, hence request()'s asm statement.)
+   * Whether column() requests are made (withAhead), and ChunkPrefetch's: not on Intel CPUs. One
+   * token, d 128, the pieces' time over the contiguous cache's: on an AMD EPYC (Zen 4, session
+   * 27) fp32 blocks of 16 keys 1.58-1.69x without the requests, 1.16-1.21x with them; on an
+   * Emerald Rapids Xeon (session 28) fp32 blocks of 16 keys 0.99-1.00x without, 1.10x with,
+   * fp16 blocks of 16 1.32-1.33x without, 1.99x with. (Until session 28 GCC 12 had compiled
+   * column()'s __builtin_prefetch calls away in the kernels that inline it, hence request()'s
+   * asm statement.)
    */
   static bool wanted() {
 #if SDPA_HAS_ISA_DISPATCH
@@ -800,9 +807,11 @@ struct decode_cache_impl {
       // The products are matrix-vector kernels for any row count (up to kRowBlock per head,
       // times the group): a row's arithmetic is its own, so a row gets the same bits whatever
       // other rows share the call over the same keys. From 8 rows on the products outlast the
-      // chunk's memory stream, so the next chunk is prefetched meanwhile.
+      // chunk's memory stream, so the next chunk is prefetched meanwhile, where software
+      // requests pay (ChunkPrefetch).
       sc.prefetch.clear();
-      if (Ra >= 8 && ci + 1 < c1) nextChunk(plan, plan.chunks[size_t(ci + 1)], n, h, Ra, dK, dV, sc.prefetch);
+      if (Ra >= 8 && ci + 1 < c1 && ColumnsAhead::wanted())
+        nextChunk(plan, plan.chunks[size_t(ci + 1)], n, h, Ra, dK, dV, sc.prefetch);
       logits(plan, chunk, h, Ra, dK, sc);
       // A ring's oldest group may start before the first position it still holds.
       if (chunk.pos < seq.first) {
