@@ -123,17 +123,19 @@ void BM_CacheHeads(benchmark::State& state) { cacheHeads<float>(state, "mha"); }
 /// The same with fp16 K/V.
 void BM_CacheHeadsHalf(benchmark::State& state) { cacheHeads<Eigen::half>(state, "mha-half"); }
 
-/// Multi-token decoding: n_q rows (speculative decoding's drafts) against one fp32 head.
-/// args: n_k, n_q
+/// Multi-token decoding: n_q rows (speculative decoding's drafts) against one head of fp32 or
+/// fp16 K/V. args: n_k, n_q
+template <typename Storage>
 void BM_CacheQueryRows(benchmark::State& state) {
   const Index nK = state.range(0), nQ = state.range(1), d = 128;
   sdpa_bench::setThreads(1);
-  const auto cache = filled<float>(nK, 1, d, 0);
+  const auto cache = filled<Storage>(nK, 1, d, 0);
   const double perCall = timeDecode(state, cache, 0, nQ, 1);
   if (perCall == 0) return;
+  const std::string table = "rows" + std::to_string(sizeof(Storage));
   if (nQ == 1)
-    seconds("rows")[{nK}] = perCall;
-  else if (auto it = seconds("rows").find({nK}); it != seconds("rows").end())
+    seconds(table)[{nK}] = perCall;
+  else if (auto it = seconds(table).find({nK}); it != seconds(table).end())
     state.counters["xOneRow"] = perCall / it->second;
 }
 
@@ -205,7 +207,12 @@ BENCHMARK(BM_CacheHeadsHalf)
     ->ArgsProduct({{8192, 65536}, {8, 32}, {1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CacheQueryRows)
+BENCHMARK(BM_CacheQueryRows<float>)
+    ->ArgNames({"nk", "nq"})
+    ->ArgsProduct({{65536}, {1, 4, 8, 16}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheQueryRows<Eigen::half>)
     ->ArgNames({"nk", "nq"})
     ->ArgsProduct({{65536}, {1, 4, 8, 16}})
     ->UseRealTime()
