@@ -2,6 +2,7 @@
 // cachedAttention against multiHeadAttention over the same logical keys.
 #include <sdpa/kv_cache.hpp>
 
+#include <cstdint>
 #include <random>
 
 #include "support/cases.hpp"
@@ -440,6 +441,49 @@ TEST_CASE("KvCache: bad input is a clear error and leaves the cache unchanged", 
   bad(1, 2) = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH(q8.append(bad, bad), Catch::Contains("quantised storage takes finite values"));
   CHECK(q8.length() == 0);
+}
+
+TEMPLATE_TEST_CASE("KvCache: every column of its storage starts on a cache line", "[kvcache]", float, double,
+                   Eigen::half, Eigen::bfloat16) {
+  // The decoding kernels load a column's keys in packets of 64 bytes from multiples of 64 bytes:
+  // each packet in one line only if the column starts on one (the pool was once 16 bytes off a
+  // line, and a capacity of 1000 floats put every column but the first off one too). A column
+  // shorter than a line (fp16 blocks of 16 keys: 32 bytes) starts on a multiple of its length,
+  // a power of two, and so lies in one line.
+  std::mt19937_64 gen(23);
+  constexpr Index H = 2, dK = 5, dV = 3, size = Index(sizeof(TestType));
+  std::vector<sdpa::internal::cache::Piece> pieces;
+  const auto check = [&](const KvCache<TestType>& cache, Index seq) {
+    cache.pieces(seq, pieces);
+    REQUIRE(!pieces.empty());
+    for (const auto& p : pieces) {
+      const Index slot = p.pos % cache.blockRows(), stride = p.ld * size;
+      CHECK(p.ld >= cache.blockRows());
+      CHECK((stride % 64 == 0 || 64 % stride == 0));
+      const auto onLine = [&](const unsigned char* column) {
+        return reinterpret_cast<std::uintptr_t>(column) % std::uintptr_t(std::min<Index>(64, stride)) == 0;
+      };
+      for (Index h = 0; h < H; ++h) {
+        for (Index c = 0; c < dK; ++c) CHECK(onLine(p.k + (h * p.kHead + (c * p.ld - slot) * size)));
+        for (Index c = 0; c < dV; ++c) CHECK(onLine(p.v + (h * p.vHead + (c * p.ld - slot) * size)));
+      }
+    }
+  };
+  const Mat<float> k = kvRows(90, H * dK, gen), v = kvRows(90, H * dV, gen);
+  auto contiguous = KvCache<TestType>::contiguous({H, dK, dV}, 1000);
+  contiguous.append(k, v);
+  check(contiguous, 0);
+  auto ring = KvCache<TestType>::ring({H, dK, dV}, 37, 3);
+  ring.append(k, v);  // wrapped: two pieces
+  check(ring, 0);
+  auto paged = KvCache<TestType>::paged({H, dK, dV}, 16, 12);
+  const Index s = paged.addSequence();
+  paged.append(s, k, v);
+  const Index t = paged.fork(s);
+  paged.append(t, k.topRows(3), v.topRows(3));  // a copied block
+  check(paged, s);
+  check(paged, t);
+  CHECK(KvCache<TestType>::contiguous({H, dK, dV}, 0).length() == 0);  // columns of one row
 }
 
 TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the quantisation step", "[kvcache]",

@@ -65,7 +65,11 @@ struct KvSequence {
  * until it fills; quantised storage needs finite values, |x| <= 65504 MaxCode). Errors (bad
  * shapes, a full pool or capacity, an unknown sequence) throw std::invalid_argument and leave the
  * cache unchanged. Threads: any number of cachedAttention calls may read a cache at once; append,
- * truncate, fork and release need the cache to themselves.
+ * truncate, fork and release need the cache to themselves. Memory: the pool is allocated once, by
+ * the constructor, on a cache line; float-like storage keeps each head's channel as a column of
+ * the block's rows, its columns a whole number of cache lines apart (rows rounded up to 16
+ * floats, 32 halves or 8 doubles; a column shorter than a line to a power of two of bytes), so
+ * that the decoding kernels' vector loads do not straddle two lines.
  */
 template <typename Storage_ = float>
 class KvCache {
@@ -248,8 +252,8 @@ class KvCache {
         for (Index h = 0; h < H; ++h) {
           Storage* kd = reinterpret_cast<Storage*>(page + h * m_headBytes) + slot;
           Storage* vd = reinterpret_cast<Storage*>(page + h * m_headBytes + m_kBytes) + slot;
-          for (Index c = 0; c < m_shape.dK; ++c) kd[c * m_rows] = Storage(k(i, h * m_shape.dK + c));
-          for (Index c = 0; c < m_shape.dV; ++c) vd[c * m_rows] = Storage(v(i, h * m_shape.dV + c));
+          for (Index c = 0; c < m_shape.dK; ++c) kd[c * m_ld] = Storage(k(i, h * m_shape.dK + c));
+          for (Index c = 0; c < m_shape.dV; ++c) vd[c * m_ld] = Storage(v(i, h * m_shape.dV + c));
         }
       }
       s.length = L + n;
@@ -311,7 +315,7 @@ class KvCache {
       } else {
         p.k = page + slot * Index(sizeof(Storage));
         p.v = page + m_kBytes + slot * Index(sizeof(Storage));
-        p.ld = m_rows;
+        p.ld = m_ld;
       }
       out.push_back(p);
       pos += n;
@@ -345,8 +349,18 @@ class KvCache {
       m_kBytes = rows / internal::quant::kGroup * internal::quant::groupBytes<Storage, true>(shape.dK);
       m_vBytes = rows / internal::quant::kGroup * internal::quant::groupBytes<Storage>(shape.dV);
     } else {
-      m_kBytes = rows * shape.dK * Index(sizeof(Storage));
-      m_vBytes = rows * shape.dV * Index(sizeof(Storage));
+      // Columns a whole number of cache lines apart, or a column shorter than a line a power of
+      // two of bytes (fp16 blocks of 16 keys: 32): with the pool on a line (LineAllocator), no
+      // column straddles two lines where it need not.
+      const Index size = Index(sizeof(Storage)), bytes = rows * size;
+      Index stride = 64;
+      if (bytes > 64)
+        stride = (bytes + 63) / 64 * 64;
+      else
+        while (stride > size && stride / 2 >= bytes) stride /= 2;
+      m_ld = stride / size;
+      m_kBytes = m_ld * shape.dK * Index(sizeof(Storage));
+      m_vBytes = m_ld * shape.dV * Index(sizeof(Storage));
     }
     m_headBytes = (m_kBytes + m_vBytes + 63) / 64 * 64;
     m_pageBytes = m_headBytes * shape.kvHeads;
@@ -462,8 +476,9 @@ class KvCache {
   CacheMode m_mode;
   CacheShape m_shape;
   Index m_rows, m_capacity, m_window;
+  Index m_ld = 0;  // float-like storage: a column's stride, m_rows rounded up (constructor)
   Index m_kBytes = 0, m_vBytes = 0, m_headBytes = 0, m_pageBytes = 0;
-  std::vector<unsigned char> m_pool;
+  std::vector<unsigned char, internal::cache::LineAllocator<unsigned char>> m_pool;
   std::vector<Index> m_refs, m_free;
   std::vector<Sequence> m_seqs;
 };
