@@ -478,7 +478,7 @@ class KvCache {
   Index m_rows, m_capacity, m_window;
   Index m_ld = 0;  // float-like storage: a column's stride, m_rows rounded up (constructor)
   Index m_kBytes = 0, m_vBytes = 0, m_headBytes = 0, m_pageBytes = 0;
-  std::vector<unsigned char, internal::cache::LineAllocator<unsigned char>> m_pool;
+  std::vector<unsigned char, internal::LineAllocator<unsigned char>> m_pool;
   std::vector<Index> m_refs, m_free;
   std::vector<Sequence> m_seqs;
 };

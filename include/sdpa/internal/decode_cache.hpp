@@ -10,10 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -36,32 +34,6 @@ struct Piece {
   const unsigned char* v = nullptr;
   Index kHead = 0, vHead = 0, ld = 0;
   bool quantised = false;
-};
-
-/**
- * The allocator of a KvCache's pool: storage on a cache-line boundary (64 bytes). With blocks,
- * heads and columns a whole number of lines apart (KvCache's constructor), the kernels' packets
- * of 16 floats or 32 halves at multiples of 16 or 32 keys each lie in one line; from malloc's
- * 16-byte alignment every such load straddled two (n_k 65536, d 128, one thread: fp32 one token
- * 2.83-2.86 -> 2.65-2.78 ms, 4 query rows 3.01-3.15 -> 2.79-2.80; docs/PERFORMANCE.md, session 30).
- */
-template <typename T>
-struct LineAllocator {
-  using value_type = T;
-  static constexpr std::align_val_t kLine{64};
-  LineAllocator() = default;
-  template <typename U>
-  LineAllocator(const LineAllocator<U>&) noexcept {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLine)); }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kLine); }
-  template <typename U>
-  bool operator==(const LineAllocator<U>&) const noexcept {
-    return true;
-  }
-  template <typename U>
-  bool operator!=(const LineAllocator<U>&) const noexcept {
-    return false;
-  }
 };
 
 /// A sequence as the kernel reads it: its pieces in logical order, its length and the first

@@ -2,7 +2,11 @@
 #define SDPA_INTERNAL_PARALLEL_HPP
 
 #include <algorithm>
+#include <cstddef>
 #include <exception>
+#include <memory>
+#include <new>
+#include <type_traits>
 
 #include "macros.hpp"
 
@@ -64,20 +68,58 @@ void parallelFor(Index n, int threads, F&& f) {
   for (Index i = 0; i < n; ++i) f(i);
 }
 
-/// A growable flat buffer: scratch that is allocated once and then reused by every call (first
-/// touch of fresh pages is expensive; see docs/PERFORMANCE.md).
+/// Bytes of a cache line: the alignment of the kernels' scratch and of a KvCache's pool.
+inline constexpr std::size_t kLineBytes = 64;
+
+/**
+ * An allocator of storage on a cache line. The kernels chosen at run time load 64-byte vectors
+ * at multiples of 64 bytes of their buffers; Eigen's allocations are aligned to the build's
+ * widest vector (16 bytes without -mavx), where every such load would straddle two lines.
+ */
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(kLineBytes))); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t(kLineBytes)); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const noexcept {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const noexcept {
+    return false;
+  }
+};
+
+/// A growable flat buffer on a cache line (LineAllocator): scratch that is allocated once and
+/// then reused by every call (first touch of fresh pages is expensive; see docs/PERFORMANCE.md).
+/// Its elements are not initialised, as Eigen leaves a plain scalar matrix's.
 template <typename T>
 class Buffer {
+  static_assert(std::is_trivially_destructible_v<T>, "Buffer holds scalars and indices");
+
  public:
   /// At least n elements, never a null pointer (a 0-column Map over null data would make its
-  /// row() offset a null pointer, undefined behaviour).
+  /// row() offset a null pointer, undefined behaviour). Growing drops the contents.
   T* get(Index n) {
-    if (m_data.size() < std::max<Index>(n, 1)) m_data.resize(std::max<Index>(n, 1));
-    return m_data.data();
+    n = std::max<Index>(n, 1);
+    if (m_size < n) {
+      m_data.reset();
+      m_data.reset(LineAllocator<T>().allocate(std::size_t(n)));
+      m_size = n;
+    }
+    return m_data.get();
   }
 
  private:
-  Eigen::Matrix<T, Eigen::Dynamic, 1> m_data;
+  struct Free {
+    void operator()(T* p) const noexcept { LineAllocator<T>().deallocate(p, 0); }
+  };
+  std::unique_ptr<T, Free> m_data;
+  Index m_size = 0;
 };
 
 }  // namespace sdpa::internal
