@@ -107,7 +107,8 @@ class Buffer {
   T* get(Index n) {
     n = std::max<Index>(n, 1);
     if (m_size < n) {
-      m_data.reset();
+      m_data.reset();  // before the new allocation, which may throw: then empty, not stale
+      m_size = 0;
       m_data.reset(LineAllocator<T>().allocate(std::size_t(n)));
       m_size = n;
     }
