@@ -457,9 +457,11 @@ TEMPLATE_TEST_CASE("KvCache: every column of its storage starts on a cache line"
     cache.pieces(seq, pieces);
     REQUIRE(!pieces.empty());
     for (const auto& p : pieces) {
-      const Index slot = p.pos % cache.blockRows(), stride = p.ld * size;
+      const Index slot = p.pos % cache.blockRows(), stride = p.ld * size, bytes = cache.blockRows() * size;
       CHECK(p.ld >= cache.blockRows());
       CHECK((stride % 64 == 0 || 64 % stride == 0));
+      // No more padding than that takes: under a line, or (a short column) under its own length.
+      CHECK(stride - bytes < (bytes >= 64 ? 64 : bytes));
       const auto onLine = [&](const unsigned char* column) {
         return reinterpret_cast<std::uintptr_t>(column) % std::uintptr_t(std::min<Index>(64, stride)) == 0;
       };
@@ -483,7 +485,9 @@ TEMPLATE_TEST_CASE("KvCache: every column of its storage starts on a cache line"
   paged.append(t, k.topRows(3), v.topRows(3));  // a copied block
   check(paged, s);
   check(paged, t);
-  CHECK(KvCache<TestType>::contiguous({H, dK, dV}, 0).length() == 0);  // columns of one row
+  auto one = KvCache<TestType>::contiguous({H, dK, dV}, 1);  // columns of one value
+  one.append(k.topRows(1), v.topRows(1));
+  check(one, 0);
 }
 
 TEMPLATE_TEST_CASE("KvCache quantised: the error stays within the bound of the quantisation step", "[kvcache]",

@@ -351,16 +351,17 @@ class KvCache {
     } else {
       // Columns a whole number of cache lines apart, or a column shorter than a line a power of
       // two of bytes (fp16 blocks of 16 keys: 32): with the pool on a line (LineAllocator), no
-      // column straddles two lines where it need not.
+      // column straddles two lines where it need not. (rows >= 1: every factory asks for one.)
+      constexpr Index line = Index(internal::kLineBytes);
       const Index size = Index(sizeof(Storage)), bytes = rows * size;
-      Index stride = 64;
-      if (bytes > 64)
-        stride = (bytes + 63) / 64 * 64;
+      Index stride = line;
+      if (bytes > line)
+        stride = (bytes + line - 1) / line * line;
       else
-        while (stride > size && stride / 2 >= bytes) stride /= 2;
+        while (stride / 2 >= bytes) stride /= 2;
       m_ld = stride / size;
-      m_kBytes = m_ld * shape.dK * Index(sizeof(Storage));
-      m_vBytes = m_ld * shape.dV * Index(sizeof(Storage));
+      m_kBytes = m_ld * shape.dK * size;
+      m_vBytes = m_ld * shape.dV * size;
     }
     m_headBytes = (m_kBytes + m_vBytes + 63) / 64 * 64;
     m_pageBytes = m_headBytes * shape.kvHeads;
