@@ -43,17 +43,6 @@ struct SequenceView {
   Index length = 0, first = 0;
 };
 
-/// Register blocks of the multi-row kernels (multi-token or speculative decoding, a GQA group's
-/// rows; 8 rows or more): logits of kWideLogitRows rows x kWideLogitPackets key packets, values
-/// of kWideValueRows rows x kWideValueCols columns, 24 accumulators where the ISA has 32 vector
-/// registers (AVX-512), 16 where it has 16 (AVX2: the values' 4 x 4 leave no register for the
-/// weights, which valuesSpansFixed then reads from L1 as the FMAs' memory operands, yet ran
-/// 1.1-1.2x faster than 4 x 2 on an EPYC, their 4 columns 4 streams from memory instead of 2).
-inline constexpr bool kManyRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
-inline constexpr int kWideLogitRows = kManyRegisters ? 8 : 4, kWideLogitPackets = kManyRegisters ? 3 : 2;
-inline constexpr int kWideValueRows = kManyRegisters ? 6 : 4;
-inline constexpr Index kWideValueCols = 4;
-
 /**
  * The next chunk's keys and values brought into L2 while a multi-row block computes the current
  * one: a list of byte runs, one line fetched each time `step` has been called often enough that
@@ -224,409 +213,16 @@ struct SpanOf {
 };
 using FloatSpan = SpanOf<float>;
 
-/// Weight rows p (offset by each span's `offset`) against float value spans: dots[r][c] = sum
-/// over the spans' keys in order, kCols columns and Rows rows per pass, the partial sums of a
-/// (row, column) kept per vector lane across spans and reduced at the end (decodeValuesRows's
-/// arithmetic whatever Rows and kCols: a row's dots are the same bits in any block). Wide
-/// blocks (multi-row decoding) step the next chunk's prefetch once per key packet.
-template <int Rows, Index kCols, bool Wide = false>
-void valuesSpansFixed(const float* const* p, const FloatSpan* spans, Index nSpans, Index dV, float* const* dots,
-                      ChunkPrefetch* pf = nullptr) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  // The weights' packets pinned to registers where they fit beside the accumulators and a
-  // packet of v; otherwise (AVX2's 4 x 4: 21 of 16 registers) pinning them pushed all 16
-  // accumulators to the stack, a load and a store around every FMA, and left to itself GCC keeps
-  // the accumulators and reads the weights from L1 as memory operands.
-  constexpr bool kPinWeights = Rows * kCols + Rows + 1 <= EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
-  ChunkPrefetch::Cursor cursor;
-  if constexpr (Wide) cursor = pf->cursor();
-  for (Index c0 = 0; c0 < dV; c0 += kCols) {
-    const Index cols = std::min(kCols, dV - c0);
-    Packet acc[Rows][kCols];
-    float tail[Rows][kCols] = {};
-    for (int m = 0; m < Rows; ++m)
-      for (Index c = 0; c < kCols; ++c) acc[m][c] = ei::pset1<Packet>(0.0f);
-    for (Index t = 0; t < nSpans; ++t) {
-      const FloatSpan& sp = spans[t];
-      const Index whole = sp.count / W * W;
-      // Row and column pointers in locals: through p and sp the compiler reloads them (and
-      // multiplies by the stride) at every key packet.
-      const float* pr[Rows];
-      const float* vc[kCols];
-      for (int m = 0; m < Rows; ++m) pr[m] = p[m] + sp.offset;
-      for (Index c = 0; c < kCols; ++c) vc[c] = sp.v + (c0 + std::min(c, cols - 1)) * sp.ld;
-      // One row (the memory-bound case): the next block of columns requested at the same keys, so
-      // that its kCols streams are in flight when the pass reaches them (each pass would
-      // otherwise start kCols new streams cold; one token 1.1x faster on an AVX2 EPYC, session
-      // 25). With more rows it measured no faster, and slower in the wide blocks.
-      const bool ahead = Rows == 1 && c0 + kCols < dV;
-      const float* vn[kCols] = {};  // the next block's columns (one row)
-      if constexpr (Rows == 1)
-        for (Index c = 0; c < kCols; ++c) vn[c] = sp.v + std::min(c0 + kCols + c, dV - 1) * sp.ld;
-      // A last block of fewer than kCols columns repeats its last column (vc is clamped), the
-      // repeats' sums dropped: every loop below has compile-time bounds and acc, indexed by
-      // constants only, stays in registers. (A run-time bound on any of them made GCC keep all
-      // of acc on the stack, a load and a store around every multiply-add.)
-      for (Index j = 0; j < whole; j += W) {
-        if constexpr (Wide) cursor.step();
-        Packet pm[Rows];
-#pragma GCC unroll 8
-        for (int m = 0; m < Rows; ++m) {
-          pm[m] = ei::ploadu<Packet>(pr[m] + j);
-          if constexpr (kPinWeights) inRegister(pm[m]);
-        }
-#pragma GCC unroll 8
-        for (Index c = 0; c < kCols; ++c) {
-          Packet x = ei::ploadu<Packet>(vc[c] + j);
-          inRegister(x);
-          if (ahead) __builtin_prefetch(vn[c] + j, 0, 2);
-#pragma GCC unroll 8
-          for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
-        }
-      }
-      for (Index j = whole; j < sp.count; ++j)
-        for (int m = 0; m < Rows; ++m)
-          for (Index c = 0; c < kCols; ++c) tail[m][c] = std::fma(pr[m][j], vc[c][j], tail[m][c]);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < Rows; ++m)
-#pragma GCC unroll 8
-      for (Index c = 0; c < kCols; ++c)
-        if (c < cols) dots[m][c0 + c] = ei::predux(acc[m][c]) + tail[m][c];
-  }
-  if constexpr (Wide) pf->save(cursor);
-}
+}  // namespace sdpa::internal::cache
 
-/// The rows in wide blocks (kWideValueRows rows, kWideValueCols columns per pass) while at least
-/// 8 are left, then at most 4 at a time, each block's row count fixed at compile time (as
-/// logitsRows).
-inline void valuesSpans(const float* const* p, Index R, const FloatSpan* spans, Index nSpans, Index dV,
-                        float* const* dots, ChunkPrefetch& pf) {
-  Index r0 = 0;
-  if (R >= 8)
-    for (; R - r0 >= kWideValueRows; r0 += kWideValueRows)
-      valuesSpansFixed<kWideValueRows, kWideValueCols, true>(p + r0, spans, nSpans, dV, dots + r0, &pf);
-  for (; r0 < R; r0 += 4) {
-    switch (std::min<Index>(4, R - r0)) {
-      case 1:
-        valuesSpansFixed<1, 4>(p + r0, spans, nSpans, dV, dots + r0);
-        break;
-      case 2:
-        valuesSpansFixed<2, 4>(p + r0, spans, nSpans, dV, dots + r0);
-        break;
-      case 3:
-        valuesSpansFixed<3, 4>(p + r0, spans, nSpans, dV, dots + r0);
-        break;
-      default:
-        valuesSpansFixed<4, 4>(p + r0, spans, nSpans, dV, dots + r0);
-        break;
-    }
-  }
-}
+// The kernels, once per instruction set (decode_rows.hpp).
+namespace sdpa::internal::decode_simd {
+#define SDPA_DECODE_KERNELS "decode_cache_isa.inc"
+#include "decode_instances.inc"
+#undef SDPA_DECODE_KERNELS
+}  // namespace sdpa::internal::decode_simd
 
-/**
- * decode_rows::logits for the Rows of a wide block (multi-row decoding, a GQA group's rows): Rows x J
- * key packets of partial sums in registers over 8 columns at a time, so that each load of k
- * serves Rows multiply-adds and each broadcast query value J (decode_rows::logits: one packet of
- * keys, a broadcast per multiply-add). The same arithmetic per (row, key): columns in order, one FMA
- * each. Steps the next chunk's prefetch once per column of each block of J packets.
- */
-template <int Rows, int J, typename T>
-void logitsRowsWide(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s,
-                    ChunkPrefetch& pf) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  // Columns in blocks of 8, the partial sums stored between blocks (exactly: the same bits): a
-  // column of a long cache lies in a page of its own, and all d columns at once miss the TLB.
-  constexpr Index kCols = 8;
-  const float* q[Rows];
-  float* out[Rows];
-  for (int m = 0; m < Rows; ++m) {
-    q[m] = a[m];
-    out[m] = s[m];
-  }
-  ChunkPrefetch::Cursor cursor = pf.cursor();
-  for (Index c0 = 0; c0 < d; c0 += kCols) {
-    const Index c1 = std::min(d, c0 + kCols);
-    Index j = 0;
-    for (; j + J * W <= n; j += J * W) {
-      Packet acc[Rows][J];
-      for (int m = 0; m < Rows; ++m)
-        for (int b = 0; b < J; ++b) acc[m][b] = ei::ploadu<Packet>(out[m] + j + b * W);
-      const T* kj = k + j + c0 * ldk;
-      for (Index c = c0; c < c1; ++c, kj += ldk) {
-        cursor.step();
-        Packet x[J];
-        for (int b = 0; b < J; ++b) {
-          x[b] = loadFloats(kj + b * W);
-          inRegister(x[b]);
-        }
-        for (int m = 0; m < Rows; ++m) {
-          const Packet qm = ei::pset1<Packet>(q[m][c]);
-          for (int b = 0; b < J; ++b) acc[m][b] = ei::pmadd(qm, x[b], acc[m][b]);
-        }
-      }
-      for (int m = 0; m < Rows; ++m)
-        for (int b = 0; b < J; ++b) ei::pstoreu(out[m] + j + b * W, acc[m][b]);
-    }
-    for (; j + W <= n; j += W) {
-      Packet acc[Rows];
-      for (int m = 0; m < Rows; ++m) acc[m] = ei::ploadu<Packet>(out[m] + j);
-      for (Index c = c0; c < c1; ++c) {
-        const Packet x = loadFloats(k + j + c * ldk);
-        for (int m = 0; m < Rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(q[m][c]), x, acc[m]);
-      }
-      for (int m = 0; m < Rows; ++m) ei::pstoreu(out[m] + j, acc[m]);
-    }
-    for (; j < n; ++j)
-      for (int m = 0; m < Rows; ++m) {
-        float t = out[m][j];
-        for (Index c = c0; c < c1; ++c) t = std::fma(q[m][c], float(k[j + c * ldk]), t);
-        out[m][j] = t;
-      }
-  }
-  pf.save(cursor);
-}
-
-/// decode_rows::logits over a piece of at most J key packets (a paged block of 16 or 32 keys): the
-/// packets' partial sums in registers over all d columns, read in address order.
-template <int Rows, int J, typename T, typename Ahead>
-void logitsKeysInRegisters(const float* const* a, const T* k, Index ldk, Index d, float* const* s, const Ahead ahead) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  Packet acc[Rows][J];
-  for (int m = 0; m < Rows; ++m)
-    for (int b = 0; b < J; ++b) acc[m][b] = ei::ploadu<Packet>(s[m] + b * W);
-  for (Index c = 0; c < d; ++c) {
-    ahead.column(c);
-    Packet x[J];
-    for (int b = 0; b < J; ++b) x[b] = loadFloats(k + b * W + c * ldk);
-    for (int m = 0; m < Rows; ++m) {
-      const Packet qm = ei::pset1<Packet>(a[m][c]);
-      for (int b = 0; b < J; ++b) acc[m][b] = ei::pmadd(qm, x[b], acc[m][b]);
-    }
-  }
-  for (int m = 0; m < Rows; ++m)
-    for (int b = 0; b < J; ++b) ei::pstoreu(s[m] + b * W, acc[m][b]);
-}
-
-/// decode_rows::logits for a piece whose columns are close (columnsClose), in address order: one
-/// column at a time over the piece's keys (the logits in L1 between columns), or all columns
-/// over key packets held in registers where the piece has at most four. The same arithmetic per
-/// (row, key): columns in order, one FMA each.
-template <int Rows, typename T, typename Ahead>
-void logitsRowsByColumn(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s,
-                        const Ahead& ahead) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  const Index whole = n / W * W;
-  switch (whole / W) {
-    case 0:
-      break;
-    case 1:
-      logitsKeysInRegisters<Rows, 1>(a, k, ldk, d, s, ahead);
-      break;
-    case 2:
-      logitsKeysInRegisters<Rows, 2>(a, k, ldk, d, s, ahead);
-      break;
-    case 3:
-      logitsKeysInRegisters<Rows, 3>(a, k, ldk, d, s, ahead);
-      break;
-    case 4:
-      logitsKeysInRegisters<Rows, 4>(a, k, ldk, d, s, ahead);
-      break;
-    default:
-      for (Index c = 0; c < d; ++c) {
-        ahead.column(c);
-        const T* kc = k + c * ldk;
-        Packet qm[Rows];
-        for (int m = 0; m < Rows; ++m) qm[m] = ei::pset1<Packet>(a[m][c]);
-        for (Index j = 0; j < whole; j += W) {
-          const Packet x = loadFloats(kc + j);
-          for (int m = 0; m < Rows; ++m) ei::pstoreu(s[m] + j, ei::pmadd(qm[m], x, ei::ploadu<Packet>(s[m] + j)));
-        }
-      }
-  }
-  for (Index j = whole; j < n; ++j)
-    for (int m = 0; m < Rows; ++m) {
-      float t = s[m][j];
-      for (Index c = 0; c < d; ++c) t = std::fma(a[m][c], float(k[j + c * ldk]), t);
-      s[m][j] = t;
-    }
-}
-
-/// s[r][j] += sum_c a[r][c] k[j + c ldk] for R rows (decodeLogitsRows's arithmetic): wide blocks
-/// while at least 8 rows are left, then at most 4 at a time.
-template <typename T>
-void logitsRows(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s,
-                ChunkPrefetch& pf, const ColumnsAhead& ahead = {}) {
-  Index r0 = 0;
-  if (R >= 8)
-    for (; R - r0 >= kWideLogitRows; r0 += kWideLogitRows)
-      logitsRowsWide<kWideLogitRows, kWideLogitPackets>(a + r0, k, ldk, d, n, s + r0, pf);
-  const bool close = columnsClose<T>(ldk);
-  const Index first = r0;        // the narrow pass that requests the piece ahead
-  if (first == R) ahead.all(d);  // none: the wide passes read the piece from elsewhere
-  const ColumnsAhead none;
-  for (; r0 < R; r0 += 4) {
-    switch (std::min<Index>(4, R - r0)) {
-      case 1:
-        close ? withAhead(r0 == first ? ahead : none,
-                          [&](const auto& ah) { logitsRowsByColumn<1>(a + r0, k, ldk, d, n, s + r0, ah); })
-              : decode_rows::logits<1, true>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      case 2:
-        close ? withAhead(r0 == first ? ahead : none,
-                          [&](const auto& ah) { logitsRowsByColumn<2>(a + r0, k, ldk, d, n, s + r0, ah); })
-              : decode_rows::logits<2, true>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      case 3:
-        close ? withAhead(r0 == first ? ahead : none,
-                          [&](const auto& ah) { logitsRowsByColumn<3>(a + r0, k, ldk, d, n, s + r0, ah); })
-              : decode_rows::logits<3, true>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      default:
-        close ? withAhead(r0 == first ? ahead : none,
-                          [&](const auto& ah) { logitsRowsByColumn<4>(a + r0, k, ldk, d, n, s + r0, ah); })
-              : decode_rows::logits<4, true>(a + r0, k, ldk, d, n, s + r0);
-        break;
-    }
-  }
-}
-
-/// valuesSpanByColumn over a span of exactly P packets of keys, the rows' weights held in
-/// registers: per (row, column) the same fused multiply-adds in the same order.
-template <int Rows, int P, typename T, typename Ahead>
-void valuesColumnsHeld(const float* const* pr, const T* v, Index ldv, Index dV, float* acc, Index ld,
-                       const Ahead& ahead) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  Packet pm[Rows][P];
-  for (int m = 0; m < Rows; ++m)
-    for (int b = 0; b < P; ++b) pm[m][b] = ei::ploadu<Packet>(pr[m] + b * W);
-  for (Index c = 0; c < dV; ++c) {
-    ahead.column(c);
-    Packet x[P];
-    for (int b = 0; b < P; ++b) x[b] = loadFloats(v + c * ldv + b * W);
-    for (int m = 0; m < Rows; ++m) {
-      float* a = acc + m * ld + c * W;
-      Packet sum = ei::ploadu<Packet>(a);
-      for (int b = 0; b < P; ++b) sum = ei::pmadd(pm[m][b], x[b], sum);
-      ei::pstoreu(a, sum);
-    }
-  }
-}
-
-/// valuesShortSpans's pass over one span for Rows rows: a column at a time over the span's keys
-/// (address order where the columns are close), the rows' partial sums of the column in
-/// registers, kept in acc (ld: the rows' stride in acc) between spans.
-template <int Rows, typename T, typename Ahead>
-void valuesSpanByColumn(const float* const* pr, const SpanOf<T>& sp, Index dV, float* acc, Index ld, float* tail,
-                        const Ahead ahead) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  // The span's fields in locals: through sp the compiler reloads them at every column (the
-  // stores to acc may alias them, for all it knows).
-  const T* const v = sp.v;
-  const Index ldv = sp.ld, count = sp.count, whole = count / W * W;
-  // A paged block of 1 to 4 packets of keys: the weights' packets held in registers across the
-  // columns, where they fit (they were reloaded at every column).
-  constexpr Index kHeld = std::min<Index>(4, (EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS - 2) / Rows - 1);
-  if (count == whole && whole <= kHeld * W) {
-    switch (whole / W) {
-      case 1:
-        return valuesColumnsHeld<Rows, 1>(pr, v, ldv, dV, acc, ld, ahead);
-      case 2:
-        if constexpr (kHeld >= 2) return valuesColumnsHeld<Rows, 2>(pr, v, ldv, dV, acc, ld, ahead);
-        break;
-      case 3:
-        if constexpr (kHeld >= 3) return valuesColumnsHeld<Rows, 3>(pr, v, ldv, dV, acc, ld, ahead);
-        break;
-      case 4:
-        if constexpr (kHeld >= 4) return valuesColumnsHeld<Rows, 4>(pr, v, ldv, dV, acc, ld, ahead);
-        break;
-      default:
-        break;
-    }
-  }
-  for (Index c = 0; c < dV; ++c) {
-    ahead.column(c);
-    const T* vc = v + c * ldv;
-    Packet sum[Rows];
-    for (int m = 0; m < Rows; ++m) sum[m] = ei::ploadu<Packet>(acc + m * ld + c * W);
-    for (Index j = 0; j < whole; j += W) {
-      const Packet x = loadFloats(vc + j);
-      for (int m = 0; m < Rows; ++m) sum[m] = ei::pmadd(ei::ploadu<Packet>(pr[m] + j), x, sum[m]);
-    }
-    for (int m = 0; m < Rows; ++m) ei::pstoreu(acc + m * ld + c * W, sum[m]);
-    for (Index j = whole; j < count; ++j)
-      for (int m = 0; m < Rows; ++m) tail[m * dV + c] = std::fma(pr[m][j], float(vc[j]), tail[m * dV + c]);
-  }
-}
-
-/**
- * valuesSpans for spans whose columns are close (a paged sequence's blocks, columnsClose): each
- * span read once, in address order (a column at a time), with the partial sums of every (row,
- * column) kept in memory (acc: R d_v packets, in L1) between spans. valuesSpans would walk every
- * block once per four columns, touching a few cache lines of each (a stride the hardware
- * prefetcher does not follow). The same arithmetic as decodeValuesRows: a packet of partial sums
- * per (row, column) over the keys in order, reduced, then the last keys one by one.
- */
-template <typename T>
-void valuesShortSpans(const float* const* p, Index R, const SpanOf<T>* spans, Index nSpans, Index dV,
-                      float* const* dots, float* acc, float* tail) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  std::fill(acc, acc + R * dV * W, 0.0f);
-  std::fill(tail, tail + R * dV, 0.0f);
-  for (Index t = 0; t < nSpans; ++t) {
-    const SpanOf<T>& sp = spans[t];
-    // Short spans (blocks of up to 64 keys, a few KiB each): the span after next requested, a
-    // column at a time as this one's columns are read, as the logits' pieces
-    // (decode_cache_impl::logits). Half blocks were requested at once until session 28: on a
-    // Xeon (AVX-512), fp16, d 128, one token, blocks of 64 keys 1.92 ms so against 1.65.
-    ColumnsAhead ahead;
-    if (t + 2 < nSpans && spans[t + 2].count <= ColumnsAhead::kKeys)
-      ahead = ColumnsAhead(spans[t + 2].v, spans[t + 2].ld, spans[t + 2].count);
-    const ColumnsAhead none;
-    const float* pr[4];
-    for (Index r0 = 0; r0 < R; r0 += 4) {
-      const Index rows = std::min<Index>(4, R - r0);
-      for (Index m = 0; m < rows; ++m) pr[m] = p[r0 + m] + sp.offset;
-      float* a = acc + r0 * dV * W;
-      float* tl = tail + r0 * dV;
-      switch (rows) {
-        case 1:
-          withAhead(r0 == 0 ? ahead : none,
-                    [&](const auto& ah) { valuesSpanByColumn<1>(pr, sp, dV, a, dV * W, tl, ah); });
-          break;
-        case 2:
-          withAhead(r0 == 0 ? ahead : none,
-                    [&](const auto& ah) { valuesSpanByColumn<2>(pr, sp, dV, a, dV * W, tl, ah); });
-          break;
-        case 3:
-          withAhead(r0 == 0 ? ahead : none,
-                    [&](const auto& ah) { valuesSpanByColumn<3>(pr, sp, dV, a, dV * W, tl, ah); });
-          break;
-        default:
-          withAhead(r0 == 0 ? ahead : none,
-                    [&](const auto& ah) { valuesSpanByColumn<4>(pr, sp, dV, a, dV * W, tl, ah); });
-          break;
-      }
-    }
-  }
-  for (Index r = 0; r < R; ++r)
-    for (Index c = 0; c < dV; ++c)
-      dots[r][c] = ei::predux(ei::ploadu<Packet>(acc + (r * dV + c) * W)) + tail[r * dV + c];
-}
+namespace sdpa::internal::cache {
 
 /**
  * cachedAttention's kernel for storage `Storage` (float, double, Eigen::half, Eigen::bfloat16,
@@ -852,15 +448,13 @@ struct decode_cache_impl {
   static void nextChunk(const Plan& plan, const Chunk& next, Index n, Index h, Index R, Index dK, Index dV,
                         ChunkPrefetch& pf) {
     if constexpr (!kQuantised && !std::is_same_v<Plain, double>) {
-      constexpr Index W = Eigen::internal::packet_traits<float>::size;
       for (Index t = next.first; t < next.last; ++t) {
         const Piece& p = plan.cut[size_t(t)];
         const Plain *k = at<Plain>(p.k, p.kHead, h), *v = at<Plain>(p.v, p.vHead, h);
         for (Index c = 0; c < dK; ++c) pf.add(k + c * p.ld, p.count * Index(sizeof(Plain)));
         for (Index c = 0; c < dV; ++c) pf.add(v + c * p.ld, p.count * Index(sizeof(Plain)));
       }
-      pf.spreadOver(R / kWideLogitRows * (n / (kWideLogitPackets * W)) * dK +
-                    R / kWideValueRows * (n / W) * ((dV + kWideValueCols - 1) / kWideValueCols));
+      withDecodeSimd([&](auto simd) { pf.spreadOver(wideSteps(simd, R, n, dK, dV)); });
     }
   }
 
@@ -940,16 +534,24 @@ struct decode_cache_impl {
         // pass over a row of logits, with prefetching; float's kernel's bits.
         if constexpr (IsHalfScalar<Plain>)
           half_columns::axpyAllRows(path, sc.rowsA.data(), R, k, p.ld, dK, sc.rowsO.data(), p.count);
-      } else if constexpr (std::is_same_v<Plain, float> || kHalfPackets) {
-        // Float storage, or short half pieces widened in Eigen's packets: in place.
-        logitsRows(sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch, ahead);
+      } else if constexpr (std::is_same_v<Plain, float>) {
+        withDecodeSimd([&](auto simd) {
+          cacheLogits(simd, sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch, ahead);
+        });
       } else {
-        ahead.all(dK);
-        // Short pieces (or no F16C): the piece's columns converted into L1/L2 (halfToFloat), then
-        // float's kernel.
-        float* kf = sc.kf.get(p.count * dK);
-        for (Index c = 0; c < dK; ++c) halfToFloat(k + c * p.ld, kf + c * p.count, p.count);
-        logitsRows(sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data(), sc.prefetch);
+        withDecodeSimd([&](auto simd) {
+          if constexpr (decltype(simd)::kHalfLoads) {
+            // Short half pieces widened in registers: in place.
+            cacheLogits(simd, sc.rowsA.data(), R, k, p.ld, dK, p.count, sc.rowsO.data(), sc.prefetch, ahead);
+          } else {
+            ahead.all(dK);
+            // Short half pieces on a portable build without half loads: the piece's columns
+            // converted into L1/L2 (halfToFloat), then float's kernel.
+            float* kf = sc.kf.get(p.count * dK);
+            for (Index c = 0; c < dK; ++c) halfToFloat(k + c * p.ld, kf + c * p.count, p.count);
+            cacheLogits(simd, sc.rowsA.data(), R, kf, p.count, dK, p.count, sc.rowsO.data(), sc.prefetch);
+          }
+        });
       }
       offset += p.count;
     }
@@ -998,63 +600,73 @@ struct decode_cache_impl {
           return;
         }
       }
-      if constexpr (IsHalfScalar<Plain> && kHalfPackets) {
-        // Short pieces: read in place, widened in registers.
-        thread_local std::vector<SpanOf<Plain>> spans;
-        spans.clear();
-        for (Index t = chunk.first; t < chunk.last; ++t) {
-          const Piece& p = plan.cut[size_t(t)];
-          spans.push_back({at<Plain>(p.v, p.vHead, h), p.ld, p.count, offset});
-          offset += p.count;
-        }
-        valuesShortSpans(sc.rowsA.data(), R, spans.data(), Index(spans.size()), dV, sc.rowsD.data(),
-                         sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
-        return;
-      }
-      // Float spans: the pieces themselves, or (half storage) the chunk's values converted.
-      sc.spans.clear();
-      const Index first = offset;
-      Index tailKeys = 0;
-      for (Index t = chunk.first; t < chunk.last; ++t)
-        if (!plan.cut[size_t(t)].quantised) tailKeys += plan.cut[size_t(t)].count;
-      float* vf = std::is_same_v<Plain, float> ? nullptr : sc.vf.get(tailKeys * dV);
+      withDecodeSimd([&](auto simd) { floatValues(simd, plan, chunk, h, R, dV, offset, any, sc); });
+    }
+  }
+
+  /// values() for float storage (and half: short pieces, or a CPU without the column kernels,
+  /// or a quantised cache's float tail) on the decoding kernels' instance simd, from key `offset`
+  /// of the chunk's logits (past its quantised groups, whose dots are in sc.rowsD where `any`).
+  template <typename Simd>
+  static void floatValues(Simd simd, const Plan& plan, const Chunk& chunk, Index h, Index R, Index dV, Index offset,
+                          bool any, Scratch& sc) {
+    constexpr Index W = Simd::kLanes;
+    if constexpr (IsHalfScalar<Plain> && Simd::kHalfLoads) {
+      // Short pieces: read in place, widened in registers.
+      thread_local std::vector<SpanOf<Plain>> spans;
+      spans.clear();
       for (Index t = chunk.first; t < chunk.last; ++t) {
         const Piece& p = plan.cut[size_t(t)];
-        if (p.quantised) continue;
-        const Plain* v = at<Plain>(p.v, p.vHead, h);
-        if constexpr (std::is_same_v<Plain, float>) {
-          sc.spans.push_back({v, p.ld, p.count, offset});
-        } else {
-          float* dst = vf + (offset - first);
-          for (Index c = 0; c < dV; ++c) halfToFloat(v + c * p.ld, dst + c * tailKeys, p.count);
-        }
+        spans.push_back({at<Plain>(p.v, p.vHead, h), p.ld, p.count, offset});
         offset += p.count;
       }
-      if constexpr (!std::is_same_v<Plain, float>) {
-        if (tailKeys > 0) sc.spans.push_back({vf, tailKeys, tailKeys, first});
-      }
-      if (sc.spans.empty()) {
-        if (!any)
-          for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
-        return;
-      }
-      if (!any) {
-        const Index spans = Index(sc.spans.size());
-        bool close = true;
-        for (const FloatSpan& sp : sc.spans) close = close && columnsClose<float>(sp.ld);
-        if (close || (spans > 1 && chunk.keys < kShortSpan * spans))
-          valuesShortSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(),
-                           sc.acc.get(R * dV * Index(Eigen::internal::packet_traits<float>::size)), sc.kf.get(R * dV));
-        else
-          valuesSpans(sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(), sc.prefetch);
+      cacheShortValues(simd, sc.rowsA.data(), R, spans.data(), Index(spans.size()), dV, sc.rowsD.data(),
+                       sc.acc.get(R * dV * W), sc.kf.get(R * dV));
+      return;
+    }
+    // Float spans: the pieces themselves, or (half storage) the chunk's values converted.
+    sc.spans.clear();
+    const Index first = offset;
+    Index tailKeys = 0;
+    for (Index t = chunk.first; t < chunk.last; ++t)
+      if (!plan.cut[size_t(t)].quantised) tailKeys += plan.cut[size_t(t)].count;
+    float* vf = std::is_same_v<Plain, float> ? nullptr : sc.vf.get(tailKeys * dV);
+    for (Index t = chunk.first; t < chunk.last; ++t) {
+      const Piece& p = plan.cut[size_t(t)];
+      if (p.quantised) continue;
+      const Plain* v = at<Plain>(p.v, p.vHead, h);
+      if constexpr (std::is_same_v<Plain, float>) {
+        sc.spans.push_back({v, p.ld, p.count, offset});
       } else {
-        // A quantised chunk's float tail: added to the groups' dots.
-        float* extra = sc.kf.get(R * dV);
-        for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = extra + r * dV;
-        valuesSpans(sc.rowsA.data(), R, sc.spans.data(), Index(sc.spans.size()), dV, sc.rowsO.data(), sc.prefetch);
-        for (Index r = 0; r < R; ++r)
-          for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += extra[r * dV + c];
+        float* dst = vf + (offset - first);
+        for (Index c = 0; c < dV; ++c) halfToFloat(v + c * p.ld, dst + c * tailKeys, p.count);
       }
+      offset += p.count;
+    }
+    if constexpr (!std::is_same_v<Plain, float>) {
+      if (tailKeys > 0) sc.spans.push_back({vf, tailKeys, tailKeys, first});
+    }
+    if (sc.spans.empty()) {
+      if (!any)
+        for (Index r = 0; r < R; ++r) std::fill(sc.rowsD[size_t(r)], sc.rowsD[size_t(r)] + dV, 0.0f);
+      return;
+    }
+    if (!any) {
+      const Index spans = Index(sc.spans.size());
+      bool close = true;
+      for (const FloatSpan& sp : sc.spans) close = close && columnsClose<float>(sp.ld);
+      if (close || (spans > 1 && chunk.keys < kShortSpan * spans))
+        cacheShortValues(simd, sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(), sc.acc.get(R * dV * W),
+                         sc.kf.get(R * dV));
+      else
+        cacheValues(simd, sc.rowsA.data(), R, sc.spans.data(), spans, dV, sc.rowsD.data(), sc.prefetch);
+    } else {
+      // A quantised chunk's float tail: added to the groups' dots.
+      float* extra = sc.kf.get(R * dV);
+      for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = extra + r * dV;
+      cacheValues(simd, sc.rowsA.data(), R, sc.spans.data(), Index(sc.spans.size()), dV, sc.rowsO.data(), sc.prefetch);
+      for (Index r = 0; r < R; ++r)
+        for (Index c = 0; c < dV; ++c) sc.rowsD[size_t(r)][c] += extra[r * dV + c];
     }
   }
 

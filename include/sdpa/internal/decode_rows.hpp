@@ -6,23 +6,59 @@
 // block loaded once for all the rows. Both decoding paths use them: over plain matrices
 // (forward_tiled.hpp's streamDecode) and over a KvCache's pieces (decode_cache.hpp, which adds
 // its wider multi-row blocks and its span-wise values).
+//
+// Every kernel is built once per instruction set (decode_rows_isa.inc, decode_cache_isa.inc):
+// AVX-512 and AVX2 + FMA through the target attribute, chosen at run time by IsaChoice as the
+// tile kernels are (withDecodeSimd), and the build's own ISA on Eigen's packets as the portable
+// fallback. Until session 31 they were on Eigen's packets only, so a build without -march decoded
+// with SSE2: one fp32 token over 65536 keys (d 128) 1.45x the time, 16 query rows 3.6x.
 
 #include <algorithm>
 #include <cmath>
 
+#include "cpu.hpp"
 #include "half.hpp"
 #include "macros.hpp"
 
-namespace sdpa::internal {
+namespace sdpa::internal::decode_simd {
 
-/// Keeps a loaded packet in a register for all the multiply-adds that use it. Without this GCC
+// The vector operations of each instance. Simd is the instance's tag: the dispatched entry points
+// take it as their first argument (found by argument-dependent lookup), and it carries the
+// instance's lanes per vector, vector registers and whether it loads half / bfloat16 in place.
+
+/// The build's ISA on Eigen's packets (SSE2 without -march on x86-64; NEON, ...), with half and
+/// bfloat16 loads where the build has AVX-512, or AVX2 with F16C.
+namespace portable {
+using V = Eigen::internal::packet_traits<float>::type;
+struct Simd {
+  static constexpr Index kLanes = Eigen::internal::packet_traits<float>::size;
+  static constexpr int kRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+  static constexpr bool kHalfLoads = true;
+#else
+  static constexpr bool kHalfLoads = false;
+#endif
+};
+inline V vzero() { return Eigen::internal::pset1<V>(0.0f); }
+inline V vset1(float x) { return Eigen::internal::pset1<V>(x); }
+inline V vload(const float* x) { return Eigen::internal::ploadu<V>(x); }
+#if defined(__AVX512F__)
+inline V vload(const Eigen::half* x) { return half_columns::avx512::widen(x); }
+inline V vload(const Eigen::bfloat16* x) { return half_columns::avx512::widen(x); }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)  // (Eigen's packets: 8 floats)
+inline V vload(const Eigen::half* x) { return half_columns::avx2::widen(x); }
+inline V vload(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); }
+#endif
+inline void vstore(float* p, V x) { Eigen::internal::pstoreu(p, x); }
+inline V vfma(V a, V b, V c) { return Eigen::internal::pmadd(a, b, c); }
+inline float vsum(V x) { return Eigen::internal::predux(x); }
+/// Keeps a loaded vector in a register for all the multiply-adds that use it. Without this GCC
 /// folds the load into each of them (a memory operand per FMA): the multi-row decoding kernels
 /// then issue a load per FMA, as many as the load ports take, and ran at 0.3-0.45 of the FMA peak
-/// on an AVX2 EPYC (session 25) where one load per packet lets them reach 0.65-0.8.
-template <typename Packet>
-inline void inRegister(Packet& x) {
+/// on an AVX2 EPYC (session 25) where one load per vector lets them reach 0.65-0.8.
+inline void vkeep(V& x) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  if constexpr (sizeof(Packet) >= 16) {
+  if constexpr (sizeof(V) >= 16) {
 #if defined(__AVX512F__)
     __asm__("" : "+v"(x));
 #else
@@ -33,114 +69,84 @@ inline void inRegister(Packet& x) {
   (void)x;
 #endif
 }
+}  // namespace portable
 
-/// A packet of floats from float storage, or (builds for AVX-512, or AVX2 and F16C: kHalfPackets)
-/// of half or bfloat16 widened, so that the kernels read short half pieces in place.
-inline Eigen::internal::packet_traits<float>::type loadFloats(const float* x) {
-  return Eigen::internal::ploadu<Eigen::internal::packet_traits<float>::type>(x);
+#if SDPA_HAS_ISA_DISPATCH
+/// The instances' target attributes (kept defined: decode_cache.hpp builds its instances with them).
+#define SDPA_DECODE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define SDPA_DECODE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/// 16 lanes, 32 registers; half and bfloat16 widened by half_columns' loads.
+namespace avx512 {
+#define SDPA_DECODE_TARGET SDPA_DECODE_AVX512
+using V = __m512;
+struct Simd {
+  static constexpr Index kLanes = 16;
+  static constexpr int kRegisters = 32;
+  static constexpr bool kHalfLoads = true;
+};
+SDPA_DECODE_TARGET inline V vzero() { return _mm512_setzero_ps(); }
+SDPA_DECODE_TARGET inline V vset1(float x) { return _mm512_set1_ps(x); }
+SDPA_DECODE_TARGET inline V vload(const float* x) { return _mm512_loadu_ps(x); }
+SDPA_DECODE_TARGET inline V vload(const Eigen::half* x) { return half_columns::avx512::widen(x); }
+SDPA_DECODE_TARGET inline V vload(const Eigen::bfloat16* x) { return half_columns::avx512::widen(x); }
+SDPA_DECODE_TARGET inline void vstore(float* p, V x) { _mm512_storeu_ps(p, x); }
+SDPA_DECODE_TARGET inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+SDPA_DECODE_TARGET inline float vsum(V x) { return half_columns::avx512::laneSum(x); }
+SDPA_DECODE_TARGET inline void vkeep(V& x) { __asm__("" : "+v"(x)); }
+#undef SDPA_DECODE_TARGET
+}  // namespace avx512
+
+/// 8 lanes, 16 registers (every AVX2 CPU has F16C, as half_columns assumes).
+namespace avx2 {
+#define SDPA_DECODE_TARGET SDPA_DECODE_AVX2
+using V = __m256;
+struct Simd {
+  static constexpr Index kLanes = 8;
+  static constexpr int kRegisters = 16;
+  static constexpr bool kHalfLoads = true;
+};
+SDPA_DECODE_TARGET inline V vzero() { return _mm256_setzero_ps(); }
+SDPA_DECODE_TARGET inline V vset1(float x) { return _mm256_set1_ps(x); }
+SDPA_DECODE_TARGET inline V vload(const float* x) { return _mm256_loadu_ps(x); }
+SDPA_DECODE_TARGET inline V vload(const Eigen::half* x) { return half_columns::avx2::widen(x); }
+SDPA_DECODE_TARGET inline V vload(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); }
+SDPA_DECODE_TARGET inline void vstore(float* p, V x) { _mm256_storeu_ps(p, x); }
+SDPA_DECODE_TARGET inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+/// The 8 lanes' sum as a tree: lanes i and i + 4, then i + 2, i + 1.
+SDPA_DECODE_TARGET inline float vsum(V x) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-#if defined(__AVX512F__)
-inline constexpr bool kHalfPackets = true;
-inline __m512 loadFloats(const Eigen::half* x) { return half_columns::avx512::widen(x); }
-inline __m512 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx512::widen(x); }
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)  // (Eigen's packets: 8 floats)
-inline constexpr bool kHalfPackets = true;
-inline __m256 loadFloats(const Eigen::half* x) { return half_columns::avx2::widen(x); }
-inline __m256 loadFloats(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); }
-#else
-inline constexpr bool kHalfPackets = false;
+SDPA_DECODE_TARGET inline void vkeep(V& x) { __asm__("" : "+x"(x)); }
+#undef SDPA_DECODE_TARGET
+}  // namespace avx2
 #endif
 
-namespace decode_rows {
+#define SDPA_DECODE_KERNELS "decode_rows_isa.inc"
+#include "decode_instances.inc"
+#undef SDPA_DECODE_KERNELS
+
+}  // namespace sdpa::internal::decode_simd
+
+namespace sdpa::internal {
 
 /**
- * s[m][j] += sum_c a[m][c] k[j + c ldk] for Rows (<= 4) rows fixed at compile time (with a
- * run-time count GCC keeps the partial sums on the stack: a store-to-load chain per
- * multiply-add): 8 columns per pass over the keys, a packet of keys loaded once per column for
- * every row, each row's partial sums in a register across the 8. The same arithmetic per (row,
- * key) whatever Rows: columns in order, one FMA each. T: float, or half / bfloat16 where
- * kHalfPackets. Ahead (the KvCache's one-row pass, memory-bound): each pass requests the next
- * 8 columns at the same keys, so that their streams are in flight when it reaches them (one
- * token 1.1x faster on an AVX2 EPYC, session 25; over plain matrices within noise).
+ * f(simd) with the tag of the decoding kernels this process runs: AVX-512 or AVX2 (by IsaChoice,
+ * capped as the tile kernels are), else the portable instance. A kernel's bits depend on the
+ * instance only where its sums run over lanes (the values' partial sums over keys: 16, 8 or the
+ * build's packet width of them); the logits are the same bits on every instance.
  */
-template <int Rows, bool Ahead = false, typename T>
-void logits(const float* const* a, const T* k, Index ldk, Index d, Index n, float* const* s) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size, kCols = 8;
-  for (Index c0 = 0; c0 < d; c0 += kCols) {
-    const Index c1 = std::min(d, c0 + kCols);
-    const bool ahead = Ahead && Rows == 1 && c1 < d;
-    Index j = 0;
-    for (; j + W <= n; j += W) {
-      Packet acc[Rows];
-      for (int m = 0; m < Rows; ++m) acc[m] = ei::ploadu<Packet>(s[m] + j);
-      for (Index c = c0; c < c1; ++c) {
-        Packet kc = loadFloats(k + j + c * ldk);
-        inRegister(kc);
-        if (ahead) __builtin_prefetch(k + j + std::min(c + kCols, d - 1) * ldk, 0, 2);
-        for (int m = 0; m < Rows; ++m) acc[m] = ei::pmadd(ei::pset1<Packet>(a[m][c]), kc, acc[m]);
-      }
-      for (int m = 0; m < Rows; ++m) ei::pstoreu(s[m] + j, acc[m]);
-    }
-    for (; j < n; ++j)
-      for (int m = 0; m < Rows; ++m) {
-        float t = s[m][j];
-        for (Index c = c0; c < c1; ++c) t = std::fma(a[m][c], float(k[j + c * ldk]), t);
-        s[m][j] = t;
-      }
-  }
+template <typename F>
+void withDecodeSimd(F&& f) {
+#if SDPA_HAS_ISA_DISPATCH
+  const Isa isa = IsaChoice::current();
+  if (int(isa) >= int(Isa::Avx512)) return f(decode_simd::avx512::Simd{});
+  if (isa == Isa::Avx2) return f(decode_simd::avx2::Simd{});
+#endif
+  f(decode_simd::portable::Simd{});
 }
-
-/**
- * decodeValuesRows for Rows rows fixed at compile time, kCols columns per pass. The weights'
- * packets are pinned to registers only where they fit beside the Rows kCols accumulators and a
- * packet of v: with AVX2's 16 registers, 4 rows x 4 columns pinned pushed every accumulator to
- * the stack (a load and a store around each FMA), and 4 x 2 read v once per 2 columns; left to
- * itself GCC keeps the 16 accumulators and reads the weights from L1 as memory operands (GQA
- * decoding 1.25-1.35x faster than 4 x 2 pinned on an AVX2 EPYC, session 26).
- */
-template <int Rows, Index kCols>
-void values(const float* const* p, const float* v, Index ldv, Index dV, Index n, float* const* dots) {
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<float>::type;
-  constexpr Index W = ei::packet_traits<float>::size;
-  constexpr bool kPinWeights = Rows * kCols + Rows + 1 <= EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
-  const Index whole = n / W * W;
-  for (Index c0 = 0; c0 < dV; c0 += kCols) {
-    const Index cols = std::min(kCols, dV - c0);
-    Packet acc[Rows][kCols];
-    for (int m = 0; m < Rows; ++m)
-      for (Index c = 0; c < kCols; ++c) acc[m][c] = ei::pset1<Packet>(0.0f);
-    const float* vc[kCols];
-    for (Index c = 0; c < kCols; ++c) vc[c] = v + (c0 + std::min(c, cols - 1)) * ldv;
-    for (Index j = 0; j < whole; j += W) {
-      Packet pm[Rows];
-      for (int m = 0; m < Rows; ++m) {
-        pm[m] = ei::ploadu<Packet>(p[m] + j);
-        if constexpr (kPinWeights) inRegister(pm[m]);
-      }
-      for (Index c = 0; c < kCols; ++c) {
-        Packet x = ei::ploadu<Packet>(vc[c] + j);
-        inRegister(x);
-        for (int m = 0; m < Rows; ++m) acc[m][c] = ei::pmadd(pm[m], x, acc[m][c]);
-      }
-    }
-    // Compile-time bounds (a short last block's repeated columns dropped): with `c < cols` as
-    // the loop's bound GCC kept acc on the stack, a load and a store around every FMA.
-#pragma GCC unroll 8
-    for (int m = 0; m < Rows; ++m)
-#pragma GCC unroll 8
-      for (Index c = 0; c < kCols; ++c) {
-        if (c >= cols) continue;
-        float t = ei::predux(acc[m][c]);
-        for (Index j = whole; j < n; ++j) t = std::fma(p[m][j], vc[c][j], t);
-        dots[m][c0 + c] = t;
-      }
-  }
-}
-
-}  // namespace decode_rows
 
 /**
  * Decoding's logits for R query rows over n keys of column-major float k (column stride ldk):
@@ -152,22 +158,7 @@ void values(const float* const* p, const float* v, Index ldv, Index dV, Index n,
  */
 inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Index ldk, Index d, Index n,
                              float* const* s) {
-  for (Index r0 = 0; r0 < R; r0 += 4) {
-    switch (std::min<Index>(4, R - r0)) {
-      case 1:
-        decode_rows::logits<1>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      case 2:
-        decode_rows::logits<2>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      case 3:
-        decode_rows::logits<3>(a + r0, k, ldk, d, n, s + r0);
-        break;
-      default:
-        decode_rows::logits<4>(a + r0, k, ldk, d, n, s + r0);
-        break;
-    }
-  }
+  withDecodeSimd([&](auto simd) { logitsRows(simd, a, R, k, ldk, d, n, s); });
 }
 
 /**
@@ -178,22 +169,7 @@ inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Ind
  */
 inline void decodeValuesRows(const float* const* p, Index R, const float* v, Index ldv, Index dV, Index n,
                              float* const* dots) {
-  for (Index r0 = 0; r0 < R; r0 += 4) {
-    switch (std::min<Index>(4, R - r0)) {
-      case 1:
-        decode_rows::values<1, 4>(p + r0, v, ldv, dV, n, dots + r0);
-        break;
-      case 2:
-        decode_rows::values<2, 4>(p + r0, v, ldv, dV, n, dots + r0);
-        break;
-      case 3:
-        decode_rows::values<3, 4>(p + r0, v, ldv, dV, n, dots + r0);
-        break;
-      default:
-        decode_rows::values<4, 4>(p + r0, v, ldv, dV, n, dots + r0);
-        break;
-    }
-  }
+  withDecodeSimd([&](auto simd) { valuesRows(simd, p, R, v, ldv, dV, n, dots); });
 }
 
 }  // namespace sdpa::internal
