@@ -7,13 +7,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "support/cases.hpp"
 
 using namespace sdpa_test;
 using sdpa::Index;
+using sdpa::internal::Isa;
 using sdpa::mask::Align;
 namespace mask = sdpa::mask;
 namespace scale = sdpa::scale;
@@ -98,4 +101,132 @@ TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matc
   // after the product (foldsScaleIntoQuery); prefill tests do not reach that line.
   const Mat<float> q = randn<float>(2, 16, 31), k = randn<float>(3000, 16, 32), v = randn<float>(3000, 8, 33);
   checkEveryKernel(q, k, v, sdpa::scale::Constant{2.5}, mask::None{}, 2.5L, allVisible(), noBias());
+}
+
+TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within the float dot-product bound",
+          "[decode][isa]") {
+  // decode_rows.hpp's kernels are built for AVX-512, AVX2 and the build's own ISA and chosen at
+  // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-9 (passes
+  // of 4, 3, 2, 1), d 37 and 8 (a short column block), n 1037 (a tail past every vector width).
+  std::mt19937_64 gen(41);
+  std::normal_distribution<float> normal;
+  const Index n = 1037;
+  for (const Index d : {37, 8}) {
+    for (const Index R : {1, 2, 3, 4, 5, 9}) {
+      INFO("d " << d << ", rows " << R);
+      std::vector<float> a(size_t(R * d)), k(size_t(n * d)), p(size_t(R * n)), v(size_t(n * d));
+      for (auto* x : {&a, &k, &p, &v})
+        for (float& e : *x) e = normal(gen);
+      std::vector<const float*> rowsA(static_cast<size_t>(R)), rowsP(static_cast<size_t>(R));
+      for (Index r = 0; r < R; ++r) {
+        rowsA[size_t(r)] = a.data() + r * d;
+        rowsP[size_t(r)] = p.data() + r * n;
+      }
+      std::vector<float> first;
+      forEachIsa([&](Isa isa) {
+        Index lanes = 0;
+        sdpa::internal::withDecodeSimd([&](auto simd) { lanes = decltype(simd)::kLanes; });
+        CHECK(lanes == (isa >= Isa::Avx512 ? 16
+                        : isa == Isa::Avx2 ? 8
+                                           : Index(Eigen::internal::packet_traits<float>::size)));
+        std::vector<float> s(size_t(R * n), 0.0f), dots(size_t(R * d));
+        std::vector<float*> rowsS(static_cast<size_t>(R)), rowsD(static_cast<size_t>(R));
+        for (Index r = 0; r < R; ++r) {
+          rowsS[size_t(r)] = s.data() + r * n;
+          rowsD[size_t(r)] = dots.data() + r * d;
+        }
+        sdpa::internal::decodeLogitsRows(rowsA.data(), R, k.data(), n, d, n, rowsS.data());
+        sdpa::internal::decodeValuesRows(rowsP.data(), R, v.data(), n, d, n, rowsD.data());
+        // The logits: one multiply-add per column in column order, the same bits whichever rows
+        // share a pass (row 0 alone gives row 0's bits), and on AVX2 as on AVX-512 (fused; the
+        // portable build's SSE2 rounds the product first).
+        std::vector<float> alone(static_cast<size_t>(n), 0.0f);
+        float* aloneRow = alone.data();
+        sdpa::internal::decodeLogitsRows(rowsA.data(), 1, k.data(), n, d, n, &aloneRow);
+        CHECK(std::equal(alone.begin(), alone.end(), s.begin()));
+        if (isa != Isa::Portable) {
+          if (first.empty()) first = s;
+          CHECK(s == first);
+        }
+        // Each logit (d terms) and dot (n terms) against double: within gamma_m sum |x_i y_i|
+        // for m terms (any order of float multiply-adds: Higham's bound, u = 2^-24).
+        const double u = std::ldexp(1.0, -24), gamma = double(n) * u / (1 - double(n) * u);
+        const double gammaD = double(d) * u / (1 - double(d) * u);
+        for (Index r = 0; r < R; ++r)
+          for (Index j = 0; j < n; ++j) {
+            double exact = 0, mass = 0;
+            for (Index c = 0; c < d; ++c) {
+              exact += double(a[size_t(r * d + c)]) * double(k[size_t(j + c * n)]);
+              mass += std::abs(double(a[size_t(r * d + c)]) * double(k[size_t(j + c * n)]));
+            }
+            CHECK(std::abs(double(s[size_t(r * n + j)]) - exact) <= gammaD * mass);
+          }
+        for (Index r = 0; r < R; ++r)
+          for (Index c = 0; c < d; ++c) {
+            double exact = 0, mass = 0;
+            for (Index j = 0; j < n; ++j) {
+              exact += double(p[size_t(r * n + j)]) * double(v[size_t(j + c * n)]);
+              mass += std::abs(double(p[size_t(r * n + j)]) * double(v[size_t(j + c * n)]));
+            }
+            CHECK(std::abs(double(dots[size_t(r * d + c)]) - exact) <= gamma * mass);
+          }
+      });
+    }
+  }
+}
+
+TEST_CASE("the online softmax's exp pass: the same bits on AVX2 and AVX-512, within 1.1 ulp, NaN and -inf rules",
+          "[decode][isa]") {
+  // expShiftedSum<float> (OnlineSoftmax::absorb's pass over a row of logits, decoding's softmax)
+  // takes the fast kernels' exp on AVX2 and AVX-512 (at most 1.009 ulp measured, NUMERICS.md),
+  // its sum in 16 partial sums on both; the portable path is Eigen's pexp (test_softmax.cpp).
+  std::mt19937_64 gen(43);
+  std::uniform_real_distribution<float> logit(-30.0f, 5.0f);
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (const Index n : {0, 1, 15, 16, 17, 33, 1000, 1037}) {
+    INFO("n " << n);
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = logit(gen);
+    if (n > 2) x[1] = -inf;  // a hidden key: weight exactly 0
+    const float m = n > 0 ? *std::max_element(x.begin(), x.end()) : 0.0f;
+    std::vector<float> avx2, avx2Nan;
+    float avx2Sum = 0;
+    forEachIsa([&](Isa isa) {
+      if (isa == Isa::Portable) return;
+      std::vector<float> y = x;
+      const float sum = sdpa::internal::expShiftedSum(y.data(), n, m);
+      double exactSum = 0;
+      for (Index j = 0; j < n; ++j) {
+        const float z = x[size_t(j)] - m;  // the argument, rounded as the kernel rounds it
+        const long double e = z > sdpa::internal::kExpCut<float> ? std::exp((long double)z) : 0.0L;
+        exactSum += double(e);
+        const double ulp = double(std::nextafter(float(e), inf) - float(e));
+        CHECK(std::abs((long double)y[size_t(j)] - e) <= 1.1L * ulp);
+      }
+      // n weights in (0, 1], each within 1.1 ulp (at most 2.2 u of itself, u = 2^-24), summed in
+      // any order: at most gamma_n of their sum more.
+      const double u = std::ldexp(1.0, -24), gamma = double(n) * u / (1 - double(n) * u);
+      CHECK(std::abs(double(sum) - exactSum) <= (2.2 * u + gamma * (1 + 2.2 * u)) * exactSum);
+      if (n > 2) CHECK(y[1] == 0.0f);
+      // The weights are the fast kernels' exp, to the bit.
+      std::vector<float> z(static_cast<size_t>(n)), e(static_cast<size_t>(n));
+      for (Index j = 0; j < n; ++j) z[size_t(j)] = x[size_t(j)] - m;
+      sdpa::internal::fast::expArray(false, z.data(), e.data(), n);
+      CHECK(y == e);
+      if (isa == Isa::Avx2) {
+        avx2 = y;
+        avx2Sum = sum;
+      }
+      if (isa == Isa::Avx512) {
+        CHECK(y == avx2);
+        CHECK(sum == avx2Sum);
+      }
+      // A NaN logit makes the sum NaN (the caller then scans the row).
+      if (n > 0) {
+        std::vector<float> w = x;
+        w[size_t(n - 1)] = std::numeric_limits<float>::quiet_NaN();
+        CHECK(std::isnan(sdpa::internal::expShiftedSum(w.data(), n, m)));
+      }
+    });
+  }
 }

@@ -150,6 +150,20 @@ inline void expArray(bool base2, const float* x, float* y, Index n) {
     y[i] = base2 ? (x[i] > kExp2Cut ? std::exp2(x[i]) : 0.0f) : (x[i] > kExpCut<float> ? std::exp(x[i]) : 0.0f);
 }
 
+/**
+ * expShiftedSum (online_softmax.hpp) for float under the ISA in force (SDPA_FAST_NS::
+ * expShiftedSumRow): the weights and their sum, or NaN; false where there is no such kernel
+ * (the portable path: Eigen's packets instead).
+ */
+inline bool expShiftedSum(float* x, Index n, float m, float& sum) {
+#if SDPA_HAS_ISA_DISPATCH
+  if (IsaChoice::current() >= Isa::Avx512) return sum = avx512::expShiftedSumRow(x, n, m), true;
+  if (IsaChoice::current() == Isa::Avx2) return sum = avx2::expShiftedSumRow(x, n, m), true;
+#endif
+  (void)x, (void)n, (void)m, (void)sum;
+  return false;
+}
+
 /// The padding of the Gram kernel's order under the ISA in force (gramLower's kGramRows); 0
 /// where there is no such kernel (the portable path: Eigen's product instead).
 inline Index gramRows() {

@@ -3,10 +3,12 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../softmax.hpp"
+#include "forward_fast.hpp"
 #include "macros.hpp"
 #include "parallel.hpp"
 
@@ -14,14 +16,22 @@ namespace sdpa::internal {
 
 /**
  * x[j] = exp(x[j] - m) for n contiguous logits whose finite maximum is m (a NaN among them may
- * have been skipped), in one pass with Eigen's packet primitives (as Eigen expressions: exp, a
- * -inf ramp and a sum, three passes). Returns the sum of the weights, or NaN if some x[j] is NaN:
- * the sum of the arguments, all <= 0 otherwise, is NaN exactly then. An argument at or below
- * `cut` gives exactly 0: -inf (a hidden key) and anything whose weight is below the smallest
- * normal number, as in expHidingMinusInf (kExpCut: the vectorised exp clamps there).
+ * have been skipped), in one pass (as Eigen expressions: exp, a -inf ramp and a sum, three
+ * passes). Returns the sum of the weights, or NaN if some x[j] is NaN: the sum of the arguments,
+ * all <= 0 otherwise, is NaN exactly then. An argument at or below `cut` gives exactly 0: -inf (a
+ * hidden key) and anything whose weight is below the smallest normal number, as in
+ * expHidingMinusInf (kExpCut: the vectorised exp clamps there). Float takes the fast kernels'
+ * exp under the ISA in force (AVX-512 or AVX2, the same bits on both: fast::expShiftedSum);
+ * double, and float on the portable path, Eigen's packets of the build's ISA. (Until session 31
+ * float was on Eigen's packets too: a build without -march took SSE2's, and decoding 16 query
+ * rows over 65536 keys spent a third of its time here.)
  */
 template <typename Acc>
 Acc expShiftedSum(Acc* x, Index n, Acc m) {
+  if constexpr (std::is_same_v<Acc, float>) {
+    float sum;
+    if (fast::expShiftedSum(x, n, m, sum)) return sum;
+  }
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<Acc>::type;
   constexpr Index W = ei::packet_traits<Acc>::size;
