@@ -202,10 +202,10 @@ void withAhead(const ColumnsAhead& ahead, F&& f) {
     f(NoColumnsAhead{});
 }
 
-/// Float rows of weights against float value spans (each span: count keys, column stride ld,
-/// at offset `offset` of the weights): dots[r][c] = sum over the spans' keys in order, packets
-/// of partial sums kept across spans (a paged sequence's blocks of 16 keys cost no reduction
-/// each), as decodeValuesRows.
+/// A run of `count` keys' values read in place (column stride ld), whose weights start at
+/// `offset` of the weight rows: the pieces of a chunk as the values kernels (cacheValues,
+/// cacheShortValues) take them, which keep each (row, column)'s vector of partial sums across
+/// spans (a paged sequence's blocks of 16 keys cost no reduction each).
 template <typename T = float>
 struct SpanOf {
   const T* v;
