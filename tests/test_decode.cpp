@@ -150,26 +150,19 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
         }
         // Each logit (d terms) and dot (n terms) against double: within gamma_m sum |x_i y_i|
         // for m terms (any order of float multiply-adds: Higham's bound, u = 2^-24).
-        const double u = std::ldexp(1.0, -24), gamma = double(n) * u / (1 - double(n) * u);
-        const double gammaD = double(d) * u / (1 - double(d) * u);
-        for (Index r = 0; r < R; ++r)
-          for (Index j = 0; j < n; ++j) {
-            double exact = 0, mass = 0;
-            for (Index c = 0; c < d; ++c) {
-              exact += double(a[size_t(r * d + c)]) * double(k[size_t(j + c * n)]);
-              mass += std::abs(double(a[size_t(r * d + c)]) * double(k[size_t(j + c * n)]));
-            }
-            CHECK(std::abs(double(s[size_t(r * n + j)]) - exact) <= gammaD * mass);
+        const auto checkDot = [](float got, const float* x, Index xStride, const float* y, Index yStride, Index m) {
+          const double u = std::ldexp(1.0, -24), gamma = double(m) * u / (1 - double(m) * u);
+          double exact = 0, mass = 0;
+          for (Index i = 0; i < m; ++i) {
+            exact += double(x[i * xStride]) * double(y[i * yStride]);
+            mass += std::abs(double(x[i * xStride]) * double(y[i * yStride]));
           }
-        for (Index r = 0; r < R; ++r)
-          for (Index c = 0; c < d; ++c) {
-            double exact = 0, mass = 0;
-            for (Index j = 0; j < n; ++j) {
-              exact += double(p[size_t(r * n + j)]) * double(v[size_t(j + c * n)]);
-              mass += std::abs(double(p[size_t(r * n + j)]) * double(v[size_t(j + c * n)]));
-            }
-            CHECK(std::abs(double(dots[size_t(r * d + c)]) - exact) <= gamma * mass);
-          }
+          CHECK(std::abs(double(got) - exact) <= gamma * mass);
+        };
+        for (Index r = 0; r < R; ++r) {
+          for (Index j = 0; j < n; ++j) checkDot(s[size_t(r * n + j)], a.data() + r * d, 1, k.data() + j, n, d);
+          for (Index c = 0; c < d; ++c) checkDot(dots[size_t(r * d + c)], p.data() + r * n, 1, v.data() + c * n, 1, n);
+        }
       });
     }
   }
