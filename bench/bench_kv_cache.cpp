@@ -186,7 +186,7 @@ BENCHMARK(BM_CachePaged<float>)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CachePaged<Eigen::half>)
     ->ArgNames({"nk", "d", "block"})
-    ->ArgsProduct({{65536}, {128}, {0, 16, 64, 256}})
+    ->ArgsProduct({{65536}, {128}, {0, 16, 64, 256, 512}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CachePaged<sdpa::kv::Q8>)

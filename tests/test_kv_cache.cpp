@@ -573,3 +573,42 @@ TEMPLATE_TEST_CASE("KvCache: results do not depend on the thread count", "[kvcac
   CHECK((one.output.array() == two.output.array()).all());
   CHECK((one.logSumExp.array() == two.logSumExp.array()).all());
 }
+
+TEMPLATE_TEST_CASE("KvCache: Intel's and the other CPUs' memory orders give the same bits", "[kvcache][isa]", float,
+                   Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
+  // CpuVendor picks how decoding walks memory: requests ahead of short pieces and of the next
+  // chunk (ColumnsAhead, ChunkPrefetch: made off Intel), close half columns one at a time or
+  // eight side by side (halfColumnByColumn: one at a time off Intel). Requests and order change
+  // no sum, so both give the CPU's own order's bits, on every ISA path; the other tests check that
+  // order against the reference. Blocks of 16-64 keys (short pieces, their successors
+  // requested; q8/q4 from 32, a group), 256 and 512 (fp16/bf16: the long-piece column kernels
+  // over close columns), the contiguous cache; 1, 4 (a GQA group) and 16 query rows per kv head
+  // (16: the wide blocks and the chunk requests, over 3 chunks of float keys at d 64).
+  using sdpa::internal::CpuVendor;
+  std::mt19937_64 gen(37);
+  const Index d = 64, n = 5000;
+  const Mat<float> k = kvRows(n, 2 * d, gen), v = kvRows(n, 2 * d, gen), q = kvRows(16, 8 * d, gen, 2.0f);
+  const auto mask = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
+  for (const Index block : {0, 16, 32, 64, 256, 512}) {
+    if (sdpa::internal::quant::IsQuantised<TestType> && block % 32 != 0) continue;  // whole groups
+    auto cache =
+        block ? KvCache<TestType>::paged({2, d, d}, block, n / block + 1) : KvCache<TestType>::contiguous({2, d, d}, n);
+    const Index seq = block ? cache.addSequence() : 0;
+    cache.append(seq, k, v);
+    for (const auto& shape : {std::pair<Heads, Index>{Heads{2}, 1}, {Heads{8, 2}, 1}, {Heads{2}, 16}}) {
+      const Heads heads = shape.first;  // (a lambda cannot capture a structured binding in C++17)
+      const Index nQ = shape.second;
+      INFO("block " << block << ", Heads{" << heads.query << ", " << heads.keyValue << "}, n_q " << nQ);
+      const Mat<float> qs = q.topLeftCorner(nQ, heads.query * d);
+      sdpa_test::forEachIsa([&](sdpa::internal::Isa) {
+        CpuVendor::setIntel(1);
+        const auto intel = sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
+        CpuVendor::setIntel(0);
+        const auto other = sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
+        CpuVendor::setIntel(-1);
+        CHECK((intel.output.array() == other.output.array()).all());
+        CHECK((intel.logSumExp.array() == other.logSumExp.array()).all());
+      });
+    }
+  }
+}

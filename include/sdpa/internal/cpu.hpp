@@ -99,6 +99,42 @@ class IsaChoice {
   }
 };
 
+/**
+ * Whether decoding reads memory in the order measured best on Intel's cores or on the others'
+ * (AMD's): software requests ahead of the kernels (decode_cache.hpp's ColumnsAhead and
+ * ChunkPrefetch) and the column order of short columns (half.hpp's halfColumnByColumn) went
+ * opposite ways on the two vendors' prefetchers. The CPU's vendor, asked once; setIntel overrides
+ * it (tests: every choice gives the same bits, and the tests run both on any CPU). Without
+ * run-time dispatch, the non-Intel order.
+ */
+class CpuVendor {
+ public:
+  static bool intel() {
+    const int forced = slot().load(std::memory_order_relaxed);
+    return forced < 0 ? detected() : forced != 0;
+  }
+  /// Forces the order of later calls: 1 Intel's, 0 the others', -1 the CPU's own (not
+  /// thread-safe against running kernels; tests only).
+  static void setIntel(int forced) { slot().store(forced, std::memory_order_relaxed); }
+
+ private:
+  static bool detected() {
+#if SDPA_HAS_ISA_DISPATCH
+    static const bool intel = [] {
+      __builtin_cpu_init();
+      return __builtin_cpu_is("intel") != 0;
+    }();
+    return intel;
+#else
+    return false;
+#endif
+  }
+  static std::atomic<int>& slot() {
+    static std::atomic<int> forced{-1};
+    return forced;
+  }
+};
+
 }  // namespace sdpa::internal
 
 #endif  // SDPA_INTERNAL_CPU_HPP

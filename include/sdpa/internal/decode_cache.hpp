@@ -123,25 +123,15 @@ struct ColumnsAhead {
   Index ld = 0, bytes = 0;  // column stride and run, in bytes
 
   /**
-   * Whether column() requests are made (withAhead), and ChunkPrefetch's: not on Intel CPUs. One
-   * token, d 128, the pieces' time over the contiguous cache's: on an AMD EPYC (Zen 4, session
-   * 27) fp32 blocks of 16 keys 1.58-1.69x without the requests, 1.16-1.21x with them; on an
-   * Emerald Rapids Xeon (session 28) fp32 blocks of 16 keys 0.99-1.00x without, 1.10x with,
-   * fp16 blocks of 16 1.32-1.33x without, 1.99x with. (Until session 28 GCC 12 had compiled
-   * column()'s __builtin_prefetch calls away in the kernels that inline it, hence request()'s
-   * asm statement.)
+   * Whether column() requests are made (withAhead), and ChunkPrefetch's: not in Intel's order
+   * (CpuVendor). One token, d 128, the pieces' time over the contiguous cache's: on an AMD EPYC
+   * (Zen 4, session 27) fp32 blocks of 16 keys 1.58-1.69x without the requests, 1.16-1.21x
+   * with them; on an Emerald Rapids Xeon (session 28) fp32 blocks of 16 keys 0.99-1.00x without,
+   * 1.10x with, fp16 blocks of 16 1.32-1.33x without, 1.99x with. (Until session 28 GCC 12 had
+   * compiled column()'s __builtin_prefetch calls away in the kernels that inline it, hence
+   * request()'s asm statement.)
    */
-  static bool wanted() {
-#if SDPA_HAS_ISA_DISPATCH
-    static const bool on = [] {
-      __builtin_cpu_init();
-      return !__builtin_cpu_is("intel");
-    }();
-    return on;
-#else
-    return true;
-#endif
-  }
+  static bool wanted() { return !CpuVendor::intel(); }
 
   /// Requests x's line into L2 (prefetcht1): an asm statement on x86, which the compiler keeps.
   static void request(const char* x) {

@@ -82,6 +82,19 @@ bool columnsClose(Index ld) {
 }
 
 /**
+ * Whether the long pieces' half kernels below (axpyAll, axpyAllRows, dotAll) read close columns
+ * one at a time: columnsClose, in the others' order only (CpuVendor). Intel's prefetchers follow
+ * eight side by side: one token over fp16 blocks of 256 keys (512-byte columns) on an Emerald
+ * Rapids Xeon took 1.20-1.22x the contiguous cache's time column by column, 1.03-1.05x eight at a
+ * time (session 32); the float kernels' short pieces (decode_cache_isa.inc) stay in address order
+ * there (blocks of 16 and 64 keys were slower side by side).
+ */
+template <typename H>
+bool halfColumnByColumn(Index ld) {
+  return columnsClose<H>(ld) && !CpuVendor::intel();
+}
+
+/**
  * Decoding's column kernels over half storage (fp16 or bf16): columns of n contiguous values at
  * a column stride, widened in registers 32 keys (a cache line of each column) at a time.
  * axpy: y += sum_c a[c] x_c, one fused multiply-add per column in column order for every key,
@@ -444,12 +457,12 @@ void dot(Path path, const float* p, const H* x, Index stride, Index n, float* ou
 #endif
 }
 
-/// The d columns of a decoding step, 8 at a time (one at a time where they are close:
-/// columnsClose) then one by one: s (n) += sum_c a[c] x_c.
+/// The d columns of a decoding step, 8 at a time (one at a time where halfColumnByColumn) then
+/// one by one: s (n) += sum_c a[c] x_c.
 template <typename H>
 void axpyAll(Path path, const float* a, const H* x, Index stride, Index d, float* s, Index n) {
   Index c = 0;
-  if (!columnsClose<H>(stride))
+  if (!halfColumnByColumn<H>(stride))
     for (; c + 8 <= d; c += 8) axpy<8>(path, a + c, x + c * stride, stride, s, n);
   for (; c < d; ++c) axpy<1>(path, a + c, x + c * stride, stride, s, n);
 }
@@ -493,7 +506,7 @@ void axpyAllRows(Path path, const float* const* a, Index R, const H* x, Index st
                  Index n) {
 #if SDPA_HAS_ISA_DISPATCH
   if (path != Path::None && R > 1) {
-    const bool close = columnsClose<H>(stride);
+    const bool close = halfColumnByColumn<H>(stride);
     for (Index r0 = 0; r0 < R; r0 += 4) {
       const float* ar[4];
       withRows(std::min<Index>(4, R - r0), [&](auto rowsC) {
@@ -522,12 +535,12 @@ void axpyAllRows(Path path, const float* const* a, Index R, const H* x, Index st
   for (Index r = 0; r < R; ++r) axpyAll(path, a[r], x, stride, d, s[r], n);
 }
 
-/// dots[c] = p . x_c for the d columns, 8 at a time (one at a time where they are close:
-/// columnsClose) then one by one.
+/// dots[c] = p . x_c for the d columns, 8 at a time (one at a time where halfColumnByColumn)
+/// then one by one.
 template <typename H>
 void dotAll(Path path, const float* p, const H* x, Index stride, Index d, Index n, float* dots) {
   Index c = 0;
-  if (!columnsClose<H>(stride))
+  if (!halfColumnByColumn<H>(stride))
     for (; c + 8 <= d; c += 8) dot<8>(path, p, x + c * stride, stride, n, dots + c);
   for (; c < d; ++c) dot<1>(path, p, x + c * stride, stride, n, dots + c);
 }
