@@ -260,6 +260,7 @@ struct decode_cache_impl {
     std::vector<Acc*> rowsS, rowsD, rowsO;
     std::vector<const unsigned char*> groups;
     std::vector<FloatSpan> spans;
+    std::vector<const Plain*> pieces;  // logits(): a run of short pieces' keys
     std::vector<char> active;
     ChunkPrefetch prefetch;
   };
@@ -504,6 +505,24 @@ struct decode_cache_impl {
       if (p.quantised) continue;
       for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
       const Plain* k = at<Plain>(p.k, p.kHead, h);
+      if constexpr (!std::is_same_v<Plain, double>) {
+        if (const Index run = shortRun(plan, chunk, t, R); run > 1) {
+          // Short pieces alike (a paged sequence's blocks), read without requests ahead: several
+          // at once, each one's logits too short a chain of multiply-adds to fill the FMA units.
+          sc.pieces.clear();
+          for (Index u = t; u < t + run; ++u) {
+            const Piece& pu = plan.cut[size_t(u)];
+            sc.pieces.push_back(at<Plain>(pu.k, pu.kHead, h));
+          }
+          withDecodeSimd([&](auto simd) {
+            if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads)
+              cacheShortLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+          });
+          offset += run * p.count;
+          t += run - 1;
+          continue;
+        }
+      }
       ColumnsAhead ahead;
       if constexpr (!std::is_same_v<Plain, double>) {
         // Short pieces (paged blocks of up to 64 keys, a few KiB each in pages of their own, where
@@ -544,6 +563,31 @@ struct decode_cache_impl {
         });
       }
       offset += p.count;
+    }
+  }
+
+  /// The pieces from t on that logits() reads together (cacheShortLogits): float-like pieces of
+  /// at most ColumnsAhead::kKeys keys, the same count and stride, for at most 4 rows, where no
+  /// piece's successor is requested (CpuVendor: Intel's order) and the half column kernels do
+  /// not take the chunk; 1 otherwise.
+  static Index shortRun(const Plan& plan, const Chunk& chunk, Index t, Index R) {
+    if constexpr (std::is_same_v<Plain, double>) {
+      return 1;
+    } else {
+      const Piece& p = plan.cut[size_t(t)];
+      if (R > 4 || p.count > ColumnsAhead::kKeys || ColumnsAhead::wanted() ||
+          halfColumns(plan, chunk) != half_columns::Path::None)
+        return 1;
+      if constexpr (!std::is_same_v<Plain, float>) {
+        bool halfLoads = false;
+        withDecodeSimd([&](auto simd) { halfLoads = decltype(simd)::kHalfLoads; });
+        if (!halfLoads) return 1;
+      }
+      Index u = t + 1;
+      while (u < chunk.last && !plan.cut[size_t(u)].quantised && plan.cut[size_t(u)].count == p.count &&
+             plan.cut[size_t(u)].ld == p.ld)
+        ++u;
+      return u - t;
     }
   }
 
