@@ -514,13 +514,18 @@ struct decode_cache_impl {
             const Piece& pu = plan.cut[size_t(u)];
             sc.pieces.push_back(at<Plain>(pu.k, pu.kHead, h));
           }
+          bool done = false;  // (a portable instance without half loads: piece by piece, below)
           withDecodeSimd([&](auto simd) {
-            if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads)
+            if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads) {
               cacheShortLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+              done = true;
+            }
           });
-          offset += run * p.count;
-          t += run - 1;
-          continue;
+          if (done) {
+            offset += run * p.count;
+            t += run - 1;
+            continue;
+          }
         }
       }
       ColumnsAhead ahead;
@@ -578,11 +583,6 @@ struct decode_cache_impl {
       if (R > 4 || p.count > ColumnsAhead::kKeys || ColumnsAhead::wanted() ||
           halfColumns(plan, chunk) != half_columns::Path::None)
         return 1;
-      if constexpr (!std::is_same_v<Plain, float>) {
-        bool halfLoads = false;
-        withDecodeSimd([&](auto simd) { halfLoads = decltype(simd)::kHalfLoads; });
-        if (!halfLoads) return 1;
-      }
       Index u = t + 1;
       while (u < chunk.last && !plan.cut[size_t(u)].quantised && plan.cut[size_t(u)].count == p.count &&
              plan.cut[size_t(u)].ld == p.ld)
