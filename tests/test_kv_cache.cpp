@@ -545,14 +545,144 @@ TEST_CASE("KvCache quantised: the portable kernels give the dispatched kernels' 
   IsaChoice::setCap(Isa::Portable);
   const Mat<float> b8 = sdpa::cachedAttention(q, q8, Heads{6, 2}), b4 = sdpa::cachedAttention(q, q4, Heads{6, 2});
   // Every path this CPU has (AVX2, AVX-512 with and without VNNI's integer dot products): the same
-  // codes and scales; only the order of float additions differs.
+  // codes and scales; only the order of float additions differs (the float tail, the softmax, q8
+  // values; the next test checks that the integer kernels give the same bits).
+  using sdpa::internal::quant::IntDotCap;
   sdpa_test::forEachIsa(
-      [&](Isa) {
-        const Mat<float> a8 = sdpa::cachedAttention(q, q8, Heads{6, 2}), a4 = sdpa::cachedAttention(q, q4, Heads{6, 2});
-        CHECK(sdpa_test::maxAbsDiff(a8, b8) < 1e-5);
-        CHECK(sdpa_test::maxAbsDiff(a4, b4) < 1e-5);
+      [&](Isa isa) {
+        for (const int cap : {2, 1}) {
+          if (cap == 1 && isa < Isa::Avx512) continue;
+          IntDotCap::value() = cap;
+          INFO("integer dot products' path cap " << cap);
+          const Mat<float> a8 = sdpa::cachedAttention(q, q8, Heads{6, 2}),
+                           a4 = sdpa::cachedAttention(q, q4, Heads{6, 2});
+          CHECK(sdpa_test::maxAbsDiff(a8, b8) < 1e-5);
+          CHECK(sdpa_test::maxAbsDiff(a4, b4) < 1e-5);
+        }
+        IntDotCap::value() = 2;
       },
       true);
+}
+
+TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and the exact sums' value",
+          "[kvcache][isa]") {
+  // The q4 kernels' logits (keys in nibble quads) and dots (values in key quads within blocks of
+  // 16 channels) are exact integer sums and the same float steps on every path (kv_quant.hpp):
+  // the portable kernels' bits on AVX2 and AVX-512 with and without VNNI, for any row count
+  // (a row's bits its own), channel counts off the quads and blocks (1, 5, 24, 41) and over
+  // several blocks of exact sums (300 > 256); and within the weights' rounding of the sums over
+  // the dequantised codes in double.
+  namespace quant = sdpa::internal::quant;
+  using sdpa::internal::Isa;
+  using sdpa::internal::IsaChoice;
+  using Q4 = sdpa::kv::Q4;
+  std::mt19937_64 gen(41);
+  for (const Index d : {1, 5, 24, 41, 300}) {
+    const Index groups = 5, R = 5;
+    const Mat<float> x = kvRows(groups * quant::kGroup, 2 * d, gen);
+    std::vector<std::vector<unsigned char>> keys(groups), values(groups);
+    std::vector<const unsigned char*> kp, vp;
+    for (Index g = 0; g < groups; ++g) {
+      keys[size_t(g)].resize(size_t(quant::groupBytes<Q4, true>(d)));
+      values[size_t(g)].resize(size_t(quant::groupBytes<Q4>(d)));
+      quant::quantiseGroup<Q4, true>(x.data() + g * quant::kGroup, x.rows(), d, keys[size_t(g)].data());
+      quant::quantiseGroup<Q4>(x.data() + d * x.rows() + g * quant::kGroup, x.rows(), d, values[size_t(g)].data());
+      kp.push_back(keys[size_t(g)].data());
+      vp.push_back(values[size_t(g)].data());
+    }
+    // Rows of queries (one NaN: its logits NaN) and of weights in [0, 1] (a group of zeros: it
+    // adds nothing; one row with a NaN weight: its dots NaN).
+    Mat<float> a = kvRows(R, d, gen), p = Mat<float>::Random(R, groups * quant::kGroup).cwiseAbs();
+    a(3, d / 2) = std::numeric_limits<float>::quiet_NaN();
+    p.row(1).segment(quant::kGroup, quant::kGroup).setZero();
+    p(2, 70) = std::numeric_limits<float>::quiet_NaN();
+    const auto run = [&](Index rows, Mat<float>& s, Mat<float>& dots) {
+      s.setZero(rows, groups * quant::kGroup);
+      dots.setZero(rows, d);
+      std::vector<Eigen::VectorXf> aRows, pRows;
+      std::vector<const float*> ap, pp;
+      std::vector<float*> sp, dp;
+      Mat<float> sT = s.transpose(), dT = dots.transpose();  // a row's entries contiguous
+      for (Index r = 0; r < rows; ++r) {
+        aRows.emplace_back(a.row(r).transpose());
+        pRows.emplace_back(p.row(r).transpose());
+      }
+      for (Index r = 0; r < rows; ++r) {
+        ap.push_back(aRows[size_t(r)].data());
+        pp.push_back(pRows[size_t(r)].data());
+        sp.push_back(sT.col(r).data());
+        dp.push_back(dT.col(r).data());
+      }
+      std::vector<float> as(size_t(quant::logitsScratch(rows, d))), acc(size_t(64 * d));
+      quant::logitsGroups<Q4>(ap.data(), rows, kp.data(), groups, d, sp.data(), as.data());
+      quant::valuesGroups<Q4>(pp.data(), rows, vp.data(), groups, d, dp.data(), acc.data());
+      s = sT.transpose();
+      dots = dT.transpose();
+    };
+    const auto same = [](const Mat<float>& u, const Mat<float>& v) {
+      return ((u.array() == v.array()) || (u.array().isNaN() && v.array().isNaN())).all();
+    };
+    IsaChoice::setCap(Isa::Portable);
+    Mat<float> s0, d0;
+    run(R, s0, d0);
+    CHECK(s0.row(3).array().isNaN().all());
+    CHECK(d0.row(2).array().isNaN().all());
+    CHECK(!s0.row(0).array().isNaN().any());
+    CHECK(!d0.row(1).array().isNaN().any());
+    // Against the dequantised sums in double: the weights' rounding (kv_quant.hpp) bounds each.
+    for (Index r : {0, 1, 4}) {
+      for (Index g = 0; g < groups; ++g) {
+        double wMax = 0, pMax = 0;
+        for (Index c = 0; c < d; ++c) {
+          std::uint16_t bits;
+          std::memcpy(&bits, kp[size_t(g)] + 2 * c, 2);
+          wMax = std::max(wMax, std::abs(double(a(r, c)) * double(quant::halfBits(bits))));
+        }
+        for (Index i = 0; i < quant::kGroup; ++i) pMax = std::max(pMax, double(p(r, g * quant::kGroup + i)));
+        for (Index i = 0; i < quant::kGroup; ++i) {
+          double exact = 0, scale = 0;
+          for (Index c = 0; c < d; ++c) {
+            const double k = quant::dequantised<Q4, true>(kp[size_t(g)], d, i, c);
+            exact += double(a(r, c)) * k;
+            scale += std::abs(double(a(r, c)) * k);
+          }
+          const double bound = double(d) * 7 * wMax / 16383 * 0.51 + 1e-6 * scale + 1e-30;
+          CHECK(std::abs(double(s0(r, g * quant::kGroup + i)) - exact) <= bound);
+        }
+      }
+      for (Index c = 0; c < d; ++c) {
+        double exact = 0, bound = 1e-30;
+        for (Index g = 0; g < groups; ++g) {
+          double pMax = 0, vMax = 0;
+          for (Index i = 0; i < quant::kGroup; ++i) {
+            const double v = quant::dequantised<Q4>(vp[size_t(g)], d, i, c), w = p(r, g * quant::kGroup + i);
+            exact += w * v;
+            pMax = std::max(pMax, w);
+            vMax = std::max(vMax, std::abs(v));
+            bound += 1e-6 * std::abs(w * v);
+          }
+          bound += 32 * 0.51 * pMax / 65535 * vMax;
+        }
+        CHECK(std::abs(double(d0(r, c)) - exact) <= bound);
+      }
+    }
+    sdpa_test::forEachIsa(
+        [&](Isa isa) {
+          for (const int cap : {2, 1}) {
+            if (cap == 1 && isa < Isa::Avx512) continue;
+            quant::IntDotCap::value() = cap;
+            INFO("d " << d << ", integer dot products' path cap " << cap);
+            for (const Index rows : {Index(1), Index(2), Index(3), R}) {
+              Mat<float> s, dots;
+              run(rows, s, dots);
+              CHECK(same(s, s0.topRows(rows)));
+              CHECK(same(dots, d0.topRows(rows)));
+            }
+          }
+          quant::IntDotCap::value() = 2;
+        },
+        true);
+  }
 }
 
 TEMPLATE_TEST_CASE("KvCache: results do not depend on the thread count", "[kvcache][threads]", float, Eigen::half,

@@ -17,8 +17,9 @@ namespace sdpa_test {
  * appended), returns per value column the largest error the quantised cache (Storage F) may give
  * against the exact attention in real arithmetic:
  * - a full group of 32 positions holds codes: a value's error is at most step / 2, step = (max |x|
- *   of its channel in the group) / MaxCode rounded up to an fp16 (relative 2^-10); q8 keys' logits
- *   also round the query row's weights to int16 (at most d_k 127 w_max / 32767 / 2, kv_quant.hpp).
+ *   of its channel in the group) / MaxCode rounded up to an fp16 (relative 2^-10); the keys'
+ *   integer logits also round the query row's weights to M = 32767 (q8) or 16383 (q4) steps of
+ *   their largest, w_max: at most d_k MaxCode (w_max / M) (1/2 + M u) more (kv_quant.hpp).
  *   The newest positions of a group not yet full stay float.
  * - A logit's error is then at most delta = tau sum_c |q_c| step_kc / 2 (+ the int16 term), plus
  *   float rounding of the dot product and of its inputs (gamma(d_k + 2) tau max_j sum_c |q_c k_jc|,
@@ -26,7 +27,10 @@ namespace sdpa_test {
  *   an output moves by at most (e^{2 delta} - 1) (range of its visible values) / 2;
  * - plus the values' own error, at most max step_v / 2, and the float rounding of the weights
  *   (exp, their sum: gamma(n) + 4 u relative) and of the weighted sum (gamma(n)): (2 gamma(n) +
- *   4 u) max |v| over the n visible keys.
+ *   4 u) max |v| over the n visible keys; q4 values' integer sums round each group's weights to
+ *   65535 steps of the group's largest, p_max (1/2 + 2 65535 u steps off each): with the weights'
+ *   sum at least the sum of the groups' p_max, at most 32 (1/2 + 2 65535 u) / 65535 of the
+ *   largest |code value| more.
  */
 template <typename F>
 Eigen::VectorXd quantisedAttentionBound(const Eigen::VectorXd& q, const Eigen::MatrixXd& k, const Eigen::MatrixXd& v,
@@ -49,7 +53,8 @@ Eigen::VectorXd quantisedAttentionBound(const Eigen::VectorXd& q, const Eigen::M
       d += std::abs(q(c)) * step / 2;
       wMax = std::max(wMax, tau * std::abs(q(c)) * step);
     }
-    const double intRounding = F::Bits == 8 ? double(dK) * 127.0 * (wMax / 32767.0) / 2 * rel : 0.0;
+    const double M = F::Bits == 8 ? 32767.0 : 16383.0;
+    const double intRounding = double(dK) * F::MaxCode * (wMax / M) * (0.5 + M * u) * rel;
     delta = std::max(delta, tau * d + intRounding);
     for (Index c = 0; c < dV; ++c)
       vStep(c) = std::max(vStep(c), v.block(g * kGroup, c, kGroup, 1).cwiseAbs().maxCoeff() / F::MaxCode * rel);
@@ -59,7 +64,9 @@ Eigen::VectorXd quantisedAttentionBound(const Eigen::VectorXd& q, const Eigen::M
   for (Index c = 0; c < dV; ++c) {
     const auto col = v.col(c).segment(from, n);
     const double range = col.maxCoeff() - col.minCoeff(), largest = col.cwiseAbs().maxCoeff() + vStep(c) / 2;
-    bound(c) = std::expm1(2 * delta) * range / 2 + vStep(c) / 2 + (2 * gamma(double(n)) + 4 * u) * largest;
+    const double weightRounding = F::Bits == 4 ? 32 * (0.5 + 2 * 65535.0 * u) / 65535.0 * largest : 0.0;
+    bound(c) =
+        std::expm1(2 * delta) * range / 2 + vStep(c) / 2 + (2 * gamma(double(n)) + 4 * u) * largest + weightRounding;
   }
   return bound;
 }

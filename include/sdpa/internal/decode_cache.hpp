@@ -498,7 +498,7 @@ struct decode_cache_impl {
       offset = gatherGroups<true>(plan, chunk, h, dK, sc);
       if (!sc.groups.empty())
         quant::logitsGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dK, sc.rowsS.data(),
-                                     sc.as.get(R * (dK + 2) + dK));
+                                     sc.as.get(quant::logitsScratch(R, dK)));
     }
     for (Index t = chunk.first; t < chunk.last; ++t) {
       const Piece& p = plan.cut[size_t(t)];

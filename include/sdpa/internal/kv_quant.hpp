@@ -3,20 +3,24 @@
 
 // Quantised k and v of a KvCache (int8 and 4-bit codes with an fp16 scale per block of 32
 // values, the sizes of ggml's q8_0 and q4_0) and the decoding products that read them without a
-// dequantised copy: q8 keys' logits as exact integer dot products, the rest widened to fp32 in
-// registers. A block is 32 consecutive keys of one channel: the cache stores each head's k and
-// v column-major (a channel's keys contiguous), the layout the decoding kernels stream, and a
+// dequantised copy: q8 keys' logits and q4 keys' logits and values' sums as exact integer dot
+// products, q8 values widened to fp32 in registers. A block is 32 consecutive keys of one channel: the cache stores
+// each head's k and v column-major (a channel's keys contiguous), the layout the decoding kernels stream, and a
 // channel's scale also follows the per-channel outliers of k (KIVI, Liu et al. 2024).
 //
-// A group (32 keys of one head, d channels) is d fp16 scales, then the codes channel by channel:
-// q8 32 bytes per channel (int8), q4 16 bytes (byte i: key i in the low nibble, key i + 16 in the
-// high one, each code + 8); q8 keys in channel pairs instead (kPaired: 64 bytes per pair, each
-// key's two codes adjacent).
+// A group (32 keys of one head, d channels) is d fp16 scales, then the codes: q8 values channel
+// by channel (32 bytes, int8); q8 keys in channel pairs (kPaired: 64 bytes per pair, each key's
+// two codes adjacent); q4 (each code + 8 in a nibble, key i < 16 low, key i + 16 high) in the
+// byte order of the integer dot products that read them (kNibbleQuads): keys by quads of
+// channels (a 64-byte line per 4 channels: key i's 4 codes in bytes 4 (i mod 16) ..), values by
+// quads of keys within blocks of 16 channels (per block of w channels, 4 rows of 4 w bytes:
+// row j holds channel c's keys 4 j .. 4 j + 3 in bytes 4 c ..).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu.hpp"
 #include "macros.hpp"
@@ -61,11 +65,21 @@ inline constexpr Index kCodeBytes = F::Bits* kGroup / 8;
 template <typename F, bool Keys>
 inline constexpr bool kPaired = Keys&& F::Bits == 8;
 
+/// Whether a group keeps its codes in nibble quads: q4 keys and values, read by integer dot
+/// products of 4 bytes (the file's head; keys' d padded to a multiple of 4 with code 0).
+template <typename F>
+inline constexpr bool kNibbleQuads = F::Bits == 4;
+
+/// Channels per block of a q4 group's values (their lanes in the values kernel).
+inline constexpr Index kQuadBlock = 16;
+
 /// Bytes of a group of d channels: d fp16 scales, then the codes (of keys, or of values).
 template <typename F, bool Keys = false>
 Index groupBytes(Index d) {
   if constexpr (kPaired<F, Keys>)
     return d * Index(sizeof(std::uint16_t)) + (d + 1) / 2 * 2 * kGroup;
+  else if constexpr (kNibbleQuads<F> && Keys)
+    return d * Index(sizeof(std::uint16_t)) + (d + 3) / 4 * 2 * kGroup;
   else
     return d * Index(sizeof(std::uint16_t) + kCodeBytes<F>);
 }
@@ -86,16 +100,21 @@ const unsigned char* groupAhead(const unsigned char* const* groups, Index g, Ind
   return groups[g + 2];
 }
 
-/// Where key i (< 32) of channel c has its code byte (q8), or its nibble's byte (q4).
+/// Where key i (< 32) of channel c has its code byte (q8), or its nibble's byte (q4: the low
+/// nibble for i < 16).
 template <typename F, bool Keys>
 Index codeOffset(Index d, Index i, Index c) {
   const Index base = d * Index(sizeof(std::uint16_t));
-  if constexpr (kPaired<F, Keys>)
+  if constexpr (kPaired<F, Keys>) {
     return base + c / 2 * 2 * kGroup + 2 * i + (c & 1);
-  else if constexpr (F::Bits == 8)
+  } else if constexpr (kNibbleQuads<F> && Keys) {
+    return base + c / 4 * 2 * kGroup + 4 * (i % 16) + c % 4;
+  } else if constexpr (kNibbleQuads<F>) {
+    const Index b = c / kQuadBlock, w = std::min(kQuadBlock, d - b * kQuadBlock);
+    return base + b * kQuadBlock * kCodeBytes<F> + (i % 16) / 4 * 4 * w + 4 * (c % kQuadBlock) + i % 4;
+  } else {
     return base + c * kCodeBytes<F> + i;
-  else
-    return base + c * kCodeBytes<F> + i % (kGroup / 2);
+  }
 }
 
 /// The smallest fp16 scale >= absmax / maxCode: then |x| / scale <= maxCode for every x of the
@@ -122,7 +141,10 @@ constexpr float maxMagnitude() {
 /// Writes one group: x holds 32 keys x d channels column-major (channel c at x + c ldx).
 template <typename F, bool Keys = false>
 void quantiseGroup(const float* x, Index ldx, Index d, unsigned char* group) {
-  std::memset(group, 0, size_t(groupBytes<F, Keys>(d)));  // (a paired odd d's padding channel: 0)
+  // (A paired odd d's padding channel: 0; q4 keys' padding channels: code 0, stored 8.)
+  std::memset(group, 0, size_t(groupBytes<F, Keys>(d)));
+  if constexpr (F::Bits == 4)
+    std::memset(group + d * Index(sizeof(std::uint16_t)), 0x88, size_t(groupBytes<F, Keys>(d) - d * 2));
   for (Index c = 0; c < d; ++c) {
     const float* col = x + c * ldx;
     float absmax = 0.0f;
@@ -138,8 +160,10 @@ void quantiseGroup(const float* x, Index ldx, Index d, unsigned char* group) {
       unsigned char* out = group + codeOffset<F, Keys>(d, i, c);
       if constexpr (F::Bits == 8)
         *out = static_cast<unsigned char>(code & 0xFF);  // two's complement
+      else if (i < kGroup / 2)
+        *out = static_cast<unsigned char>((*out & 0xF0) | (code + 8));
       else
-        *out = static_cast<unsigned char>(*out | ((code + 8) << (i < kGroup / 2 ? 0 : 4)));
+        *out = static_cast<unsigned char>((*out & 0x0F) | ((code + 8) << 4));
     }
   }
 }
@@ -197,37 +221,6 @@ inline float int16Weights(const float* a, const std::uint16_t* scales, Index d, 
 // Every row's arithmetic is the same whatever rows share the pass (a GQA group's heads or one
 // head alone), as decodeLogitsRows's. `as` is scratch of R (d + 2) + d floats.
 
-/// The portable kernels (any CPU; the compiler vectorises what it can).
-template <typename F>
-void logitsGroupsPortable(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d,
-                          float* const* s, float* as) {
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    for (Index c = 0; c < d; ++c) {
-      std::uint16_t bits;
-      std::memcpy(&bits, group + c * Index(sizeof bits), sizeof bits);
-      const float scale = halfBits(bits);
-      for (Index r = 0; r < R; ++r) as[r * d + c] = a[r][c] * scale;
-    }
-    const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
-    for (Index r = 0; r < R; ++r) {
-      float* out = s[r] + g * kGroup;
-      for (Index c = 0; c < d; ++c) {
-        const float w = as[r * d + c];
-        const unsigned char* cc = codes + c * kCodeBytes<F>;
-        if constexpr (F::Bits == 8) {
-          for (Index i = 0; i < kGroup; ++i) out[i] += w * float(static_cast<std::int8_t>(cc[i]));
-        } else {
-          for (Index i = 0; i < kGroup / 2; ++i) {
-            out[i] += w * float(int(cc[i] & 0xF) - 8);
-            out[i + kGroup / 2] += w * float(int(cc[i] >> 4) - 8);
-          }
-        }
-      }
-    }
-  }
-}
-
 /// q8 keys' logits (paired codes), portable: as the AVX-512 kernel, to the bit.
 /// as: scratch of R (d + 2) + d floats.
 inline void logitsPairedPortable(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d,
@@ -257,6 +250,7 @@ inline void logitsPairedPortable(const float* const* a, Index R, const unsigned 
   }
 }
 
+/// q8 values' dots, portable (the float paths sum in an order of their own).
 template <typename F>
 void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
                           float* const* dots) {
@@ -271,19 +265,144 @@ void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* c
       const float scale = halfBits(bits);
       const unsigned char* cc = codes + c * kCodeBytes<F>;
       float x[kGroup];
-      if constexpr (F::Bits == 8) {
-        for (Index i = 0; i < kGroup; ++i) x[i] = float(static_cast<std::int8_t>(cc[i]));
-      } else {
-        for (Index i = 0; i < kGroup / 2; ++i) {
-          x[i] = float(int(cc[i] & 0xF) - 8);
-          x[i + kGroup / 2] = float(int(cc[i] >> 4) - 8);
-        }
-      }
+      for (Index i = 0; i < kGroup; ++i) x[i] = float(static_cast<std::int8_t>(cc[i]));
       for (Index r = 0; r < R; ++r) {
         const float* pr = p[r] + g * kGroup;
         float t = 0.0f;
         for (Index i = 0; i < kGroup; ++i) t += pr[i] * x[i];
         dots[r][c] += scale * t;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// q4 keys and values as integer dot products of bytes (vpdpbusd: 4 products of an unsigned and a
+// signed byte per 32-bit lane), the codes unpacked from their nibbles in registers.
+// - Keys: a query row's weights of a group, w_c = a_c scale_gc, become W_c = round(w_c / ws),
+//   ws = max_c |w_c| / 16383, as two bytes W_c = 128 Wh_c + Wl_c (Wh in [-128, 127], Wl in
+//   [0, 127]); a logit is ws times the exact int32 sum_c W_c (u_ic - 8) = 128 sum Wh u + sum Wl u
+//   - 8 sum W (u the stored code, 0..15) over blocks of kIntChannels channels, one fused
+//   multiply-add per key and block. Each W_c is off by at most ws / 2: a logit by at most
+//   d 7 ws / 2 (1/2340 of the keys' own quantisation bound at equal weights).
+// - Values: a row's weights over a group, p_i in [0, 1], become P_i = round(p_i / ps),
+//   ps = max_i p_i / 65535, as two bytes 256 Ph_i + Pl_i; a channel's sum_i P_i code_ic is exact,
+//   and dots_c += (scale_gc ps) float(sum), one fused multiply-add per channel and group. Each P_i
+//   is off by at most ps / 2: an output (the dots over the weights' sum, which is at least the
+//   sum of the groups' largest weights) by at most max |v| / 4096.
+// Every path (AVX-512 with or without VNNI, AVX2, portable) computes the same integers and the
+// same float steps: the same bits. A row's NaN or inf weights make its logits (or dots) NaN.
+
+/// ws and the bytes of W (dPad = d rounded up to 4 channels, the padding 0) of one row of one
+/// group, and sum W per block of kIntChannels channels; NaN where some w_c is not finite.
+inline float q4KeyWeights(const float* a, const std::uint16_t* scales, Index d, std::int8_t* Wh, std::int8_t* Wl,
+                          std::int32_t* sumW) {
+  const Index dPad = (d + 3) / 4 * 4, blocks = (d + kIntChannels - 1) / kIntChannels;
+  float m = 0.0f;
+  bool finite = true;
+  for (Index c = 0; c < d; ++c) {
+    const float w = std::abs(a[c] * halfBits(scales[c]));
+    finite = finite && w <= std::numeric_limits<float>::max();
+    m = std::max(m, w);
+  }
+  std::fill(sumW, sumW + blocks, 0);
+  std::fill(Wh, Wh + dPad, std::int8_t(0));
+  std::fill(Wl, Wl + dPad, std::int8_t(0));
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  const float inv = m > 0.0f ? 16383.0f / m : 0.0f;
+  for (Index c = 0; c < d; ++c) {
+    const int W = int(std::nearbyint(a[c] * halfBits(scales[c]) * inv));
+    Wl[c] = std::int8_t(W & 127);
+    Wh[c] = std::int8_t((W - (W & 127)) / 128);
+    sumW[c / kIntChannels] += W;
+  }
+  return m / 16383.0f;
+}
+
+/// ps and the bytes of P of one row's 32 weights of a group: ps 0 where every weight is 0 (the
+/// group adds nothing), NaN where one is not finite.
+inline float q4ValueWeights(const float* p, std::uint8_t* Ph, std::uint8_t* Pl) {
+  float m = 0.0f;
+  bool finite = true;
+  for (Index i = 0; i < kGroup; ++i) {
+    finite = finite && std::abs(p[i]) <= std::numeric_limits<float>::max();
+    m = std::max(m, p[i]);
+  }
+  if (!finite) m = std::numeric_limits<float>::quiet_NaN();
+  const float inv = m > 0.0f ? 65535.0f / m : 0.0f;
+  for (Index i = 0; i < kGroup; ++i) {
+    const int P = m > 0.0f ? int(std::nearbyint(p[i] * inv)) : 0;
+    Ph[i] = std::uint8_t(P >> 8);
+    Pl[i] = std::uint8_t(P & 255);
+  }
+  return m / 65535.0f;
+}
+
+/// Floats of the logits' scratch `as` (R rows of d channels), for every storage.
+inline Index logitsScratch(Index R, Index d) {
+  return R * (d + 2) + d + R * ((d + kIntChannels - 1) / kIntChannels + 2) + 16;
+}
+
+/// Where q4LogitsRows's rows keep their weights in `as`: ws[R], sumW[R blocks], Wh/Wl bytes.
+struct Q4KeyScratch {
+  float* ws;
+  std::int32_t* sumW;
+  std::int8_t* W;
+  Index blocks, dPad;
+  Q4KeyScratch(float* as, Index R, Index d)
+      : ws(as),
+        sumW(reinterpret_cast<std::int32_t*>(as + R)),
+        W(reinterpret_cast<std::int8_t*>(as + R + R * ((d + kIntChannels - 1) / kIntChannels))),
+        blocks((d + kIntChannels - 1) / kIntChannels),
+        dPad((d + 3) / 4 * 4) {}
+  std::int8_t* high(Index r) const { return W + r * 2 * dPad; }
+  std::int8_t* low(Index r) const { return W + r * 2 * dPad + dPad; }
+  std::int32_t* sums(Index r) const { return sumW + r * blocks; }
+};
+
+/// q4 keys' logits, portable: the AVX-512 and AVX2 kernels' integers and float steps.
+inline void q4LogitsPortable(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d,
+                             float* const* s, float* as) {
+  const Q4KeyScratch k(as, R, d);
+  for (Index g = 0; g < n; ++g) {
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
+    const unsigned char* codes = groups[g] + d * Index(sizeof(std::uint16_t));
+    for (Index r = 0; r < R; ++r) k.ws[r] = q4KeyWeights(a[r], scales, d, k.high(r), k.low(r), k.sums(r));
+    for (Index r = 0; r < R; ++r)
+      for (Index b = 0; b < k.blocks; ++b) {
+        std::int32_t acc[kGroup] = {};
+        for (Index c = b * kIntChannels; c < std::min(k.dPad, (b + 1) * kIntChannels); ++c) {
+          const std::int32_t W = 128 * std::int32_t(k.high(r)[c]) + std::int32_t(k.low(r)[c]);
+          const unsigned char* q = codes + c / 4 * 2 * kGroup + c % 4;
+          for (Index i = 0; i < kGroup / 2; ++i) {
+            acc[i] += W * std::int32_t(q[4 * i] & 0xF);
+            acc[i + kGroup / 2] += W * std::int32_t(q[4 * i] >> 4);
+          }
+        }
+        float* out = s[r] + g * kGroup;
+        for (Index i = 0; i < kGroup; ++i) out[i] = std::fma(k.ws[r], float(acc[i] - 8 * k.sums(r)[b]), out[i]);
+      }
+  }
+}
+
+/// q4 values' dots, portable: the AVX-512 and AVX2 kernels' integers and float steps.
+inline void q4ValuesPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
+                             float* const* dots) {
+  for (Index r = 0; r < R; ++r) std::fill(dots[r], dots[r] + d, 0.0f);
+  std::uint8_t Ph[kGroup], Pl[kGroup];
+  for (Index g = 0; g < n; ++g) {
+    const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
+    for (Index r = 0; r < R; ++r) {
+      const float ps = q4ValueWeights(p[r] + g * kGroup, Ph, Pl);
+      if (ps == 0.0f) continue;
+      for (Index c = 0; c < d; ++c) {
+        std::int32_t sum = 0;
+        for (Index i = 0; i < kGroup; ++i) {
+          const unsigned char byte = groups[g][codeOffset<kv::Q4, false>(d, i, c)];
+          const std::int32_t code = std::int32_t(i < kGroup / 2 ? byte & 0xF : byte >> 4) - 8;
+          sum += (256 * std::int32_t(Ph[i]) + std::int32_t(Pl[i])) * code;
+        }
+        dots[r][c] = std::fma(halfBits(scales[c]) * ps, float(sum), dots[r][c]);
       }
     }
   }
@@ -300,112 +419,12 @@ namespace avx512 {
 
 #define SDPA_QUANT_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
 
-/// Keys i and i + 16 of a channel's codes as two vectors of 16 floats.
+/// Keys i and i + 16 of a channel's q8 codes as two vectors of 16 floats.
 template <typename F>
 SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m512& x0, __m512& x1) {
-  if constexpr (F::Bits == 8) {
-    x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc))));
-    x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc + 16))));
-  } else {
-    // A nibble indexes a table of the 16 values code - 8 (vpermps reads the low 4 bits).
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc)));
-    x0 = _mm512_permutexvar_ps(bytes, table);
-    x1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-  }
-}
-
-/// Four partial sums per key, over the channels c = 0, 1, 2, 3 (mod 4), added at the end:
-/// one fused multiply-add chain per key would wait on the FMA latency (4 cycles) at every
-/// channel. Every row's arithmetic is the same whatever Rows. ahead (or null): the codes of the
-/// group to request, a line as each line is read (groupAhead).
-template <typename F, int Rows>
-SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out,
-                                  const unsigned char* ahead) {
-  constexpr int P = 4;
-  __m512 acc[Rows][P][2];
-  for (int m = 0; m < Rows; ++m)
-    for (int t = 0; t < P; ++t) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_ps();
-  Index c = 0;
-  const auto request = [&](Index channel) {
-    if (ahead && (channel * kCodeBytes<F>) % 64 == 0) __builtin_prefetch(ahead + channel * kCodeBytes<F>, 0, 2);
-  };
-  for (; c + P <= d; c += P) {
-    for (int t = 0; t < P; ++t) {
-      request(c + t);
-      __m512 x0, x1;
-      load32<F>(codes + (c + t) * kCodeBytes<F>, x0, x1);
-      for (int m = 0; m < Rows; ++m) {
-        const __m512 w = _mm512_set1_ps(as[m][c + t]);
-        acc[m][t][0] = _mm512_fmadd_ps(w, x0, acc[m][t][0]);
-        acc[m][t][1] = _mm512_fmadd_ps(w, x1, acc[m][t][1]);
-      }
-    }
-  }
-  // The last d mod P channels into the first partial sums, t a compile-time index (a loop
-  // counter as acc's index had GCC keep all of acc on the stack: a load and a store around
-  // every multiply-add of the main loop too).
-#pragma GCC unroll 4
-  for (int t = 0; t < P; ++t) {
-    if (c + t >= d) continue;
-    request(c + t);
-    __m512 x0, x1;
-    load32<F>(codes + (c + t) * kCodeBytes<F>, x0, x1);
-    for (int m = 0; m < Rows; ++m) {
-      const __m512 w = _mm512_set1_ps(as[m][c + t]);
-      acc[m][t][0] = _mm512_fmadd_ps(w, x0, acc[m][t][0]);
-      acc[m][t][1] = _mm512_fmadd_ps(w, x1, acc[m][t][1]);
-    }
-  }
-  for (int m = 0; m < Rows; ++m)
-    for (Index h = 0; h < 2; ++h) {
-      const __m512 sum =
-          _mm512_add_ps(_mm512_add_ps(acc[m][0][h], acc[m][1][h]), _mm512_add_ps(acc[m][2][h], acc[m][3][h]));
-      _mm512_storeu_ps(out[m] + 16 * h, _mm512_add_ps(_mm512_loadu_ps(out[m] + 16 * h), sum));
-    }
-}
-
-template <typename F>
-SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsigned char* const* groups, Index n,
-                                    Index d, float* const* s, float* as) {
-  constexpr Index kRows = 3;
-  const float* asRows[kRows];
-  float* out[kRows];
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    const unsigned char* ahead = groupAhead<F, true>(groups, g, n, d);  // its codes: logitsRows
-    // as[r][c] = a[r][c] scale_gc, 16 channels at a time.
-    Index c = 0;
-    for (; c + 16 <= d; c += 16) {
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + c)));
-      for (Index r = 0; r < R; ++r) _mm512_storeu_ps(as + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(a[r] + c), sc));
-    }
-    for (; c < d; ++c) {
-      const float sc = _cvtsh_ss(scales[c]);
-      for (Index r = 0; r < R; ++r) as[r * d + c] = a[r][c] * sc;
-    }
-    const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
-    for (Index r0 = 0; r0 < R; r0 += kRows) {
-      const Index rows = std::min(kRows, R - r0);
-      for (Index m = 0; m < rows; ++m) {
-        asRows[m] = as + (r0 + m) * d;
-        out[m] = s[r0 + m] + g * kGroup;
-      }
-      const unsigned char* codesAhead = r0 == 0 && ahead ? ahead + d * Index(sizeof(std::uint16_t)) : nullptr;
-      switch (rows) {
-        case 1:
-          logitsRows<F, 1>(asRows, d, codes, out, codesAhead);
-          break;
-        case 2:
-          logitsRows<F, 2>(asRows, d, codes, out, codesAhead);
-          break;
-        default:
-          logitsRows<F, 3>(asRows, d, codes, out, codesAhead);
-          break;
-      }
-    }
-  }
+  static_assert(F::Bits == 8, "q4 codes are read as integers (kv_quant_q4.inc)");
+  x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc))));
+  x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc + 16))));
 }
 
 /// dots for Rows rows over every group, group by group: each group read once, in order, with
@@ -504,7 +523,7 @@ SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsign
  * The same products with AVX2 (every x86 CPU since 2013-2015 that lacks AVX-512, the AMD ones
  * among them): vectors of 8 floats and 16 registers, so blocks of two rows. q8 keys' integer
  * logits are avx512's exact sums (vpmaddwd), so the same bits on every path; the float paths
- * (q4 keys, values) sum in an order of their own, as the portable ones do.
+ * (q8 values) sum in an order of their own, as the portable ones do.
  */
 namespace avx2 {
 
@@ -513,100 +532,12 @@ namespace avx2 {
 /// Rows per register block: 4 vectors of partial sums (32 keys) per row, the codes' 4 vectors.
 inline constexpr Index kRows = 2;
 
-/// Keys 8 h .. 8 h + 7 of a channel's codes as x[h], h = 0..3: q8 codes, or q4 codes + 8 (0..15:
-/// the kernels subtract 8 once per group and channel, not once per code; see kQ4Offset).
+/// Keys 8 h .. 8 h + 7 of a channel's q8 codes as x[h], h = 0..3.
 template <typename F>
 SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
-  if constexpr (F::Bits == 8) {
-    for (Index h = 0; h < 4; ++h)
-      x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
-  } else {
-    // Byte i holds key i (low nibble) and key i + 16 (high), each code + 8.
-    const __m256i low = _mm256_set1_epi32(0xF);
-    for (Index h = 0; h < 2; ++h) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h)));
-      x[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
-      x[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    }
-  }
-}
-
-/// What load32 leaves in each code: q4's offset of 8, taken out per group and channel instead
-/// (sum_i w (c_i - 8) = sum_i w c_i - 8 w per key and channel of the logits, sum_i p_i (c_i - 8)
-/// = sum_i p_i c_i - 8 sum_i p_i per channel of the values): 4 of the 18-20 instructions per
-/// channel and 32 keys of each kernel. The sums of codes + 8 (at most 15) against codes (at most
-/// 8 in magnitude) cost about one bit of float rounding, far below the quantisation step.
-template <typename F>
-inline constexpr float kQ4Offset = F::Bits == 4 ? 8.0f : 0.0f;
-
-/// One fused multiply-add chain per (row, vector of 8 keys) over the channels in order: four
-/// independent chains per row hide the FMA latency. Every row's arithmetic is the same whatever Rows.
-template <typename F, int Rows>
-SDPA_QUANT_TARGET void logitsRows(const float* const* as, Index d, const unsigned char* codes, float* const* out,
-                                  const float* bias, const unsigned char* ahead) {
-  __m256 acc[Rows][4];
-  for (int m = 0; m < Rows; ++m)
-    for (Index h = 0; h < 4; ++h) {
-      acc[m][h] = _mm256_loadu_ps(out[m] + 8 * h);
-      if constexpr (kQ4Offset<F> != 0.0f) acc[m][h] = _mm256_add_ps(acc[m][h], _mm256_set1_ps(bias[m]));
-    }
-  for (Index c = 0; c < d; ++c) {
-    if (ahead && (c * kCodeBytes<F>) % 64 == 0) __builtin_prefetch(ahead + c * kCodeBytes<F>, 0, 2);
-    __m256 x[4];
-    load32<F>(codes + c * kCodeBytes<F>, x);
-    for (int m = 0; m < Rows; ++m) {
-      const __m256 w = _mm256_set1_ps(as[m][c]);
-      for (Index h = 0; h < 4; ++h) acc[m][h] = _mm256_fmadd_ps(w, x[h], acc[m][h]);
-    }
-  }
-  for (int m = 0; m < Rows; ++m)
-    for (Index h = 0; h < 4; ++h) _mm256_storeu_ps(out[m] + 8 * h, acc[m][h]);
-}
-
-template <typename F>
-SDPA_QUANT_TARGET void logitsGroups(const float* const* a, Index R, const unsigned char* const* groups, Index n,
-                                    Index d, float* const* s, float* as) {
-  const float* asRows[kRows];
-  float* out[kRows];
-  float* bias = as + R * d;  // per row: -kQ4Offset sum_c as_c
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    const unsigned char* ahead = groupAhead<F, true>(groups, g, n, d);  // its codes: logitsRows
-    for (Index r = 0; r < R; ++r) {
-      float* ar = as + r * d;
-      __m256 sum = _mm256_setzero_ps();
-      Index c = 0;
-      for (; c + 8 <= d; c += 8) {
-        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c)));
-        const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(a[r] + c), sc);
-        _mm256_storeu_ps(ar + c, w);
-        if constexpr (kQ4Offset<F> != 0.0f) sum = _mm256_add_ps(sum, w);
-      }
-      for (; c < d; ++c) ar[c] = a[r][c] * _cvtsh_ss(scales[c]);
-      if constexpr (kQ4Offset<F> != 0.0f) {
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, sum);
-        float total = 0.0f;
-        for (const float l : lanes) total += l;
-        for (c = d / 8 * 8; c < d; ++c) total += ar[c];
-        bias[r] = -kQ4Offset<F> * total;
-      }
-    }
-    const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
-    for (Index r0 = 0; r0 < R; r0 += kRows) {
-      const Index rows = std::min(kRows, R - r0);
-      for (Index m = 0; m < rows; ++m) {
-        asRows[m] = as + (r0 + m) * d;
-        out[m] = s[r0 + m] + g * kGroup;
-      }
-      const unsigned char* codesAhead = r0 == 0 && ahead ? ahead + d * Index(sizeof(std::uint16_t)) : nullptr;
-      if (rows == 1)
-        logitsRows<F, 1>(asRows, d, codes, out, bias + r0, codesAhead);
-      else
-        logitsRows<F, 2>(asRows, d, codes, out, bias + r0, codesAhead);
-    }
-  }
+  static_assert(F::Bits == 8, "q4 codes are read as integers (kv_quant_q4.inc)");
+  for (Index h = 0; h < 4; ++h)
+    x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
 }
 
 /// avx512::valuesRows with 8-lane partial sums per (row, channel) (acc: Rows d 8 floats).
@@ -614,25 +545,14 @@ template <typename F, int Rows>
 SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
                                   float* const* dots, float* acc) {
   for (Index i = 0; i < Rows * d * 8; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  // offset[m d + c] = sum_g scale_gc sum_i p[m][32 g + i] (q4: the codes' offset, taken out at the end)
-  float* offset = acc + Rows * d * 8;
-  if constexpr (kQ4Offset<F> != 0.0f) std::fill(offset, offset + Rows * d, 0.0f);
   const Index codeBase = d * Index(sizeof(std::uint16_t));
   for (Index g = 0; g < n; ++g) {
     const unsigned char* group = groups[g];
     const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
     const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);  // its codes: 8 channels at a time
     __m256 pv[Rows][4];
-    float psum[Rows];
-    for (int m = 0; m < Rows; ++m) {
+    for (int m = 0; m < Rows; ++m)
       for (Index h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
-      if constexpr (kQ4Offset<F> != 0.0f) {
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(pv[m][0], pv[m][1]), _mm256_add_ps(pv[m][2], pv[m][3])));
-        psum[m] = 0.0f;
-        for (const float l : lanes) psum[m] += l;
-      }
-    }
     for (Index c0 = 0; c0 < d; c0 += 8) {
       const Index cols = std::min<Index>(8, d - c0);
       if (ahead)
@@ -643,15 +563,6 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
         _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
       else
         for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
-      if constexpr (kQ4Offset<F> != 0.0f) {
-        for (int m = 0; m < Rows; ++m) {
-          float* o = offset + m * d + c0;
-          if (cols == 8)
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_load_ps(sc8), _mm256_set1_ps(psum[m]), _mm256_loadu_ps(o)));
-          else
-            for (Index c = 0; c < cols; ++c) o[c] = std::fma(sc8[c], psum[m], o[c]);
-        }
-      }
       for (Index c = 0; c < cols; ++c) {
         __m256 x[4];
         load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x);
@@ -671,10 +582,7 @@ SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* co
       const float* a = acc + (m * d + c) * 8;
       float sum = 0.0f;
       for (int l = 0; l < 8; ++l) sum += a[l];
-      if constexpr (kQ4Offset<F> != 0.0f)
-        dots[m][c] = std::fma(-kQ4Offset<F>, offset[m * d + c], sum);
-      else
-        dots[m][c] = sum;
+      dots[m][c] = sum;
     }
 }
 
@@ -784,12 +692,217 @@ SDPA_QUANT_TARGET inline void logitsPaired(const float* const* a, Index R, const
 
 #undef SDPA_QUANT_TARGET
 }  // namespace avx2
+// q4's integer kernels (kv_quant_q4.inc): AVX-512 with VNNI (vpdpbusd), AVX-512 BW (vpmaddubsw,
+// vpmaddwd and vpaddd: the same integers; no pair of products reaches int16's range, codes <= 15
+// and bytes <= 255 against bytes <= 128 and codes <= 8), and AVX2 as AVX-512 BW on 8 lanes.
+namespace avx512 {
+
+#define SDPA_Q4_BW __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+/// kv_quant_q4.inc's vector operations on 16 lanes (AVX512F and AVX512BW).
+struct Ops512 {
+  using VI = __m512i;
+  using VF = __m512;
+  static constexpr int kBytes = 64;
+  static constexpr Index kLanes = 16, kRows = 3;
+  static constexpr int kSplit = 2;
+  SDPA_Q4_BW static VF set1(float x) { return _mm512_set1_ps(x); }
+  SDPA_Q4_BW static VF abs(VF x) { return _mm512_abs_ps(x); }
+  SDPA_Q4_BW static VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  SDPA_Q4_BW static VF max(VF a, VF b) { return _mm512_max_ps(a, b); }
+  SDPA_Q4_BW static VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+  SDPA_Q4_BW static VF loadF(const float* p) { return _mm512_loadu_ps(p); }
+  SDPA_Q4_BW static void storeF(float* p, VF x) { _mm512_storeu_ps(p, x); }
+  SDPA_Q4_BW static __mmask16 first(Index n) { return __mmask16((1u << n) - 1); }
+  SDPA_Q4_BW static VF loadLanesF(const float* p, Index n) {
+    return n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(n), p);
+  }
+  SDPA_Q4_BW static void storeLanes(float* p, VF x, Index n) {
+    if (n == kLanes)
+      _mm512_storeu_ps(p, x);
+    else
+      _mm512_mask_storeu_ps(p, first(n), x);
+  }
+  SDPA_Q4_BW static VF halves(const std::uint16_t* h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  }
+  SDPA_Q4_BW static VF halvesLanes(const std::uint16_t* h, Index n) {
+    if (n == kLanes) return halves(h);
+    alignas(32) std::uint16_t x[kLanes] = {};
+    std::memcpy(x, h, size_t(n) * sizeof *h);
+    return halves(x);
+  }
+  SDPA_Q4_BW static bool allFinite(VF x) {
+    return _mm512_cmp_ps_mask(x, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ) == 0xFFFF;
+  }
+  SDPA_Q4_BW static float reduceMax(VF x) { return _mm512_reduce_max_ps(x); }
+  SDPA_Q4_BW static VI round(VF x) { return _mm512_cvtps_epi32(x); }
+  SDPA_Q4_BW static VF toFloat(VI x) { return _mm512_cvtepi32_ps(x); }
+  SDPA_Q4_BW static std::int32_t reduceAdd(VI x) { return _mm512_reduce_add_epi32(x); }
+  SDPA_Q4_BW static void storeBytes(std::int8_t* p, VI x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  SDPA_Q4_BW static void storeBytesUnsigned(std::uint8_t* p, VI x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  SDPA_Q4_BW static VI zero() { return _mm512_setzero_si512(); }
+  SDPA_Q4_BW static VI set1Int(std::int32_t x) { return _mm512_set1_epi32(x); }
+  SDPA_Q4_BW static VI addInt(VI a, VI b) { return _mm512_add_epi32(a, b); }
+  SDPA_Q4_BW static VI andInt(VI a, std::int32_t b) { return _mm512_and_si512(a, _mm512_set1_epi32(b)); }
+  SDPA_Q4_BW static VI shiftLeft7(VI x) { return _mm512_slli_epi32(x, 7); }
+  SDPA_Q4_BW static VI shiftLeft8(VI x) { return _mm512_slli_epi32(x, 8); }
+  SDPA_Q4_BW static VI shiftRight8(VI x) { return _mm512_srli_epi32(x, 8); }
+  SDPA_Q4_BW static VI shiftRightArithmetic7(VI x) { return _mm512_srai_epi32(x, 7); }
+  SDPA_Q4_BW static VI load(const void* p) { return _mm512_loadu_si512(p); }
+  SDPA_Q4_BW static VI loadLanes(const void* p, Index n) {
+    return n == kLanes ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(first(n), p);
+  }
+  SDPA_Q4_BW static VI lowNibbles(VI x) { return _mm512_and_si512(x, _mm512_set1_epi8(0x0F)); }
+  SDPA_Q4_BW static VI highNibbles(VI x) { return _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0F)); }
+  SDPA_Q4_BW static VI minus8(VI x) { return _mm512_sub_epi8(x, _mm512_set1_epi8(8)); }
+  SDPA_Q4_BW static VI broadcast4(const void* p) {
+    std::int32_t x;
+    std::memcpy(&x, p, sizeof x);
+    return _mm512_set1_epi32(x);
+  }
+};
+
+namespace q4vnni {
+#define SDPA_Q4_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+struct Ops : Ops512 {
+  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) { return _mm512_dpbusd_epi32(acc, a, b); }
+};
+#include "kv_quant_q4.inc"
+#undef SDPA_Q4_TARGET
+}  // namespace q4vnni
+
+namespace q4bw {
+#define SDPA_Q4_TARGET SDPA_Q4_BW
+struct Ops : Ops512 {
+  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+  }
+};
+#include "kv_quant_q4.inc"
+#undef SDPA_Q4_TARGET
+}  // namespace q4bw
+#undef SDPA_Q4_BW
+
+}  // namespace avx512
+
+namespace avx2::q4 {
+
+#define SDPA_Q4_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/// kv_quant_q4.inc's vector operations on 8 lanes.
+struct Ops {
+  using VI = __m256i;
+  using VF = __m256;
+  static constexpr int kBytes = 32;
+  static constexpr Index kLanes = 8, kRows = 1;
+  static constexpr int kSplit = 1;
+  SDPA_Q4_TARGET static VF set1(float x) { return _mm256_set1_ps(x); }
+  SDPA_Q4_TARGET static VF abs(VF x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  SDPA_Q4_TARGET static VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+  SDPA_Q4_TARGET static VF max(VF a, VF b) { return _mm256_max_ps(a, b); }
+  SDPA_Q4_TARGET static VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+  SDPA_Q4_TARGET static VF loadF(const float* p) { return _mm256_loadu_ps(p); }
+  SDPA_Q4_TARGET static void storeF(float* p, VF x) { _mm256_storeu_ps(p, x); }
+  SDPA_Q4_TARGET static __m256i first(Index n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  SDPA_Q4_TARGET static VF loadLanesF(const float* p, Index n) {
+    return n == kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(n));
+  }
+  SDPA_Q4_TARGET static void storeLanes(float* p, VF x, Index n) {
+    if (n == kLanes)
+      _mm256_storeu_ps(p, x);
+    else
+      _mm256_maskstore_ps(p, first(n), x);
+  }
+  SDPA_Q4_TARGET static VF halves(const std::uint16_t* h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  }
+  SDPA_Q4_TARGET static VF halvesLanes(const std::uint16_t* h, Index n) {
+    if (n == kLanes) return halves(h);
+    alignas(16) std::uint16_t x[kLanes] = {};
+    std::memcpy(x, h, size_t(n) * sizeof *h);
+    return halves(x);
+  }
+  SDPA_Q4_TARGET static bool allFinite(VF x) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ)) == 0xFF;
+  }
+  SDPA_Q4_TARGET static float reduceMax(VF x) {
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  SDPA_Q4_TARGET static VI round(VF x) { return _mm256_cvtps_epi32(x); }
+  SDPA_Q4_TARGET static VF toFloat(VI x) { return _mm256_cvtepi32_ps(x); }
+  SDPA_Q4_TARGET static std::int32_t reduceAdd(VI x) {
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
+  }
+  /// The low byte of each lane (its value in range), 8 bytes.
+  template <bool Signed>
+  SDPA_Q4_TARGET static void bytes(void* p, VI x) {
+    const __m256i w = _mm256_packs_epi32(x, x);  // 16-bit: lanes 0-3 twice, then 4-7 twice
+    const __m256i b = Signed ? _mm256_packs_epi16(w, w) : _mm256_packus_epi16(w, w);
+    const std::int32_t lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(b)),
+                       hi = _mm_cvtsi128_si32(_mm256_extracti128_si256(b, 1));
+    std::memcpy(p, &lo, 4);
+    std::memcpy(static_cast<char*>(p) + 4, &hi, 4);
+  }
+  SDPA_Q4_TARGET static void storeBytes(std::int8_t* p, VI x) { bytes<true>(p, x); }
+  SDPA_Q4_TARGET static void storeBytesUnsigned(std::uint8_t* p, VI x) { bytes<false>(p, x); }
+  SDPA_Q4_TARGET static VI zero() { return _mm256_setzero_si256(); }
+  SDPA_Q4_TARGET static VI set1Int(std::int32_t x) { return _mm256_set1_epi32(x); }
+  SDPA_Q4_TARGET static VI addInt(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  SDPA_Q4_TARGET static VI andInt(VI a, std::int32_t b) { return _mm256_and_si256(a, _mm256_set1_epi32(b)); }
+  SDPA_Q4_TARGET static VI shiftLeft7(VI x) { return _mm256_slli_epi32(x, 7); }
+  SDPA_Q4_TARGET static VI shiftLeft8(VI x) { return _mm256_slli_epi32(x, 8); }
+  SDPA_Q4_TARGET static VI shiftRight8(VI x) { return _mm256_srli_epi32(x, 8); }
+  SDPA_Q4_TARGET static VI shiftRightArithmetic7(VI x) { return _mm256_srai_epi32(x, 7); }
+  SDPA_Q4_TARGET static VI load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  SDPA_Q4_TARGET static VI loadLanes(const void* p, Index n) {
+    return n == kLanes ? load(p) : _mm256_maskload_epi32(static_cast<const int*>(p), first(n));
+  }
+  SDPA_Q4_TARGET static VI lowNibbles(VI x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
+  SDPA_Q4_TARGET static VI highNibbles(VI x) {
+    return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
+  }
+  SDPA_Q4_TARGET static VI minus8(VI x) { return _mm256_sub_epi8(x, _mm256_set1_epi8(8)); }
+  SDPA_Q4_TARGET static VI broadcast4(const void* p) {
+    std::int32_t x;
+    std::memcpy(&x, p, sizeof x);
+    return _mm256_set1_epi32(x);
+  }
+  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+  }
+};
+
+#include "kv_quant_q4.inc"
+#undef SDPA_Q4_TARGET
+
+}  // namespace avx2::q4
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 #endif
 
-/// 0: no AVX512BW; 1: AVX512BW; 2: AVX512BW and AVX512_VNNI (the integer key logits' paths).
+/// The highest intDotIsa a process may use (2); tests lower it to run the AVX512BW path on a
+/// CPU with VNNI.
+struct IntDotCap {
+  static int& value() {
+    static int cap = 2;
+    return cap;
+  }
+};
+
+/// 0: no AVX512BW; 1: AVX512BW; 2: AVX512BW and AVX512_VNNI (the integer dot products' paths:
+/// q8 keys, q4 keys and values).
 inline int intDotIsa() {
 #if SDPA_HAS_ISA_DISPATCH
   static const int isa = [] {
@@ -797,14 +910,15 @@ inline int intDotIsa() {
     if (!__builtin_cpu_supports("avx512bw")) return 0;
     return __builtin_cpu_supports("avx512vnni") ? 2 : 1;
   }();
-  return IsaChoice::current() >= Isa::Avx512 ? isa : 0;
+  return IsaChoice::current() >= Isa::Avx512 ? std::min(isa, IntDotCap::value()) : 0;
 #else
   return 0;
 #endif
 }
 
-/// The decoding logits over n groups of keys (see above), on the CPU's fastest path; q8 keys
-/// (paired codes) as integer dot products. as: scratch of R (d + 2) + d floats.
+/// The decoding logits over n groups of keys (see above), on the CPU's fastest path: q8 keys
+/// (paired codes) and q4 keys (nibble quads) as integer dot products. as: scratch of
+/// logitsScratch(R, d) floats.
 template <typename F>
 void logitsGroups(const float* const* a, Index R, const unsigned char* const* groups, Index n, Index d, float* const* s,
                   float* as) {
@@ -816,12 +930,16 @@ void logitsGroups(const float* const* a, Index R, const unsigned char* const* gr
     if (IsaChoice::current() >= Isa::Avx2) return avx2::logitsPaired(a, R, groups, n, d, s, as);
 #endif
     logitsPairedPortable(a, R, groups, n, d, s, as);
-  } else {
+  } else if constexpr (kNibbleQuads<F>) {
 #if SDPA_HAS_ISA_DISPATCH
-    if (IsaChoice::current() >= Isa::Avx512) return avx512::logitsGroups<F>(a, R, groups, n, d, s, as);
-    if (IsaChoice::current() == Isa::Avx2) return avx2::logitsGroups<F>(a, R, groups, n, d, s, as);
+    const int isa = intDotIsa();
+    if (isa == 2) return avx512::q4vnni::logits(a, R, groups, n, d, s, as);
+    if (isa == 1) return avx512::q4bw::logits(a, R, groups, n, d, s, as);
+    if (IsaChoice::current() >= Isa::Avx2) return avx2::q4::logits(a, R, groups, n, d, s, as);
 #endif
-    logitsGroupsPortable<F>(a, R, groups, n, d, s, as);
+    q4LogitsPortable(a, R, groups, n, d, s, as);
+  } else {
+    static_assert(kPaired<F, true> || kNibbleQuads<F>, "q8 or q4 keys");
   }
 }
 
@@ -830,13 +948,24 @@ void logitsGroups(const float* const* a, Index R, const unsigned char* const* gr
 template <typename F>
 void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
                   float* const* dots, float* acc) {
+  if constexpr (kNibbleQuads<F>) {
 #if SDPA_HAS_ISA_DISPATCH
-  if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots, acc);
-  if (IsaChoice::current() == Isa::Avx2) return avx2::valuesGroups<F>(p, R, groups, n, d, dots, acc);
-#else
-  (void)acc;
+    const int isa = intDotIsa();
+    if (isa == 2) return avx512::q4vnni::values(p, R, groups, n, d, dots);
+    if (isa == 1) return avx512::q4bw::values(p, R, groups, n, d, dots);
+    if (IsaChoice::current() >= Isa::Avx2) return avx2::q4::values(p, R, groups, n, d, dots);
 #endif
-  valuesGroupsPortable<F>(p, R, groups, n, d, dots);
+    q4ValuesPortable(p, R, groups, n, d, dots);
+    (void)acc;
+  } else {
+#if SDPA_HAS_ISA_DISPATCH
+    if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots, acc);
+    if (IsaChoice::current() == Isa::Avx2) return avx2::valuesGroups<F>(p, R, groups, n, d, dots, acc);
+#else
+    (void)acc;
+#endif
+    valuesGroupsPortable<F>(p, R, groups, n, d, dots);
+  }
 }
 
 }  // namespace internal::quant
