@@ -122,6 +122,9 @@ void cacheHeads(benchmark::State& state, const std::string& table) {
 void BM_CacheHeads(benchmark::State& state) { cacheHeads<float>(state, "mha"); }
 /// The same with fp16 K/V.
 void BM_CacheHeadsHalf(benchmark::State& state) { cacheHeads<Eigen::half>(state, "mha-half"); }
+/// The same with q8 and q4 K/V (their logits' integer products take up to 3 rows a pass).
+void BM_CacheHeadsQ8(benchmark::State& state) { cacheHeads<sdpa::kv::Q8>(state, "mha-q8"); }
+void BM_CacheHeadsQ4(benchmark::State& state) { cacheHeads<sdpa::kv::Q4>(state, "mha-q4"); }
 
 /// Multi-token decoding: n_q rows (speculative decoding's drafts) against one head of fp32 or
 /// fp16 K/V. args: n_k, n_q. At n_k 65536 (64 MiB of fp32 K/V) the cache may stay in a large L3
@@ -205,6 +208,16 @@ BENCHMARK(BM_CacheHeads)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheHeadsHalf)
+    ->ArgNames({"nk", "H", "threads"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheHeadsQ8)
+    ->ArgNames({"nk", "H", "threads"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheHeadsQ4)
     ->ArgNames({"nk", "H", "threads"})
     ->ArgsProduct({{8192, 65536}, {8, 32}, {1}})
     ->UseRealTime()

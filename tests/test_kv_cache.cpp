@@ -407,6 +407,33 @@ TEST_CASE("KvCache: NaN in slots a mask hides or the sequence no longer holds ne
   CHECK(e.logSumExp(0) == -std::numeric_limits<float>::infinity());
 }
 
+TEMPLATE_TEST_CASE("KvCache: a query row holding NaN or inf gets NaN, over every storage and ISA path", "[kvcache]",
+                   float, Eigen::half, sdpa::kv::Q8, sdpa::kv::Q4) {
+  // As attentionForward's rows: a NaN or inf in q makes the row's logits NaN or +-inf, and the
+  // row's output NaN; the quantised keys' integer logits round q to integers, which must not
+  // turn it into finite garbage. The other rows and heads keep their values.
+  std::mt19937_64 gen(43);
+  const Index d = 40, n = 96;  // three groups of 32 keys, no float tail (its logits would be NaN too)
+  const Mat<float> k = kvRows(n, 2 * d, gen), v = kvRows(n, 2 * d, gen);
+  auto cache = KvCache<TestType>::contiguous({2, d, d}, n);
+  cache.append(k, v);
+  Mat<float> q = kvRows(3, 4 * d, gen);
+  const Mat<float> clean = sdpa::cachedAttention(q, cache, Heads{4, 2});
+  sdpa_test::forEachIsa([&](sdpa::internal::Isa) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      Mat<float> qb = q;
+      qb(1, d + 5) = bad;  // row 1 of query head 1 (kv head 0)
+      const Mat<float> out = sdpa::cachedAttention(qb, cache, Heads{4, 2});
+      INFO("bad entry " << bad);
+      CHECK(out.block(1, d, 1, d).array().isNaN().all());
+      Mat<float> rest = out, restClean = clean;
+      rest.block(1, d, 1, d).setZero();
+      restClean.block(1, d, 1, d).setZero();
+      CHECK(sdpa_test::maxAbsDiff(rest, restClean) < 1e-5);
+    }
+  });
+}
+
 TEST_CASE("KvCache: bad input is a clear error and leaves the cache unchanged", "[kvcache][errors]") {
   std::mt19937_64 gen(17);
   auto cache = KvCache<float>::contiguous({2, 4, 3}, 10);

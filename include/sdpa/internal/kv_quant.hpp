@@ -200,13 +200,30 @@ void dequantiseGroup(const unsigned char* group, Index d, float* x, Index ldx) {
 /// Channels per block of exact int32 sums.
 inline constexpr Index kIntChannels = 256;
 
+/// Whether some w[c], c < d, is NaN or +-inf (its exponent all ones): a query row holding one
+/// gets NaN logits, as in every other kernel, where rounding it to integers would give finite
+/// garbage. An integer test, so that the compiler vectorises it.
+inline bool anyNonFinite(const float* w, Index d) {
+  std::uint32_t bad = 0;
+  for (Index c = 0; c < d; ++c) {
+    std::uint32_t bits;
+    std::memcpy(&bits, w + c, sizeof bits);
+    bad |= static_cast<std::uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad != 0;
+}
+
 /// W (d rounded up to even, the padding 0) and ws of one row of one group (portable; the
-/// AVX-512 version computes the same floats).
+/// AVX-512 version computes the same floats); ws NaN, W 0, where some w_c is not finite.
 inline float int16Weights(const float* a, const std::uint16_t* scales, Index d, std::int16_t* W, float* w) {
   float m = 0.0f;
   for (Index c = 0; c < d; ++c) {
     w[c] = a[c] * halfBits(scales[c]);
     m = std::max(m, std::abs(w[c]));
+  }
+  if (anyNonFinite(w, d)) {
+    std::fill(W, W + (d + 1) / 2 * 2, std::int16_t(0));
+    return std::numeric_limits<float>::quiet_NaN();
   }
   const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
   for (Index c = 0; c < d; ++c) W[c] = std::int16_t(std::nearbyint(w[c] * inv));
@@ -617,6 +634,10 @@ SDPA_QUANT_TARGET inline float int16Weights(const float* a, const std::uint16_t*
   for (; c < d; ++c) {
     w[c] = a[c] * _cvtsh_ss(scales[c]);
     m = std::max(m, std::abs(w[c]));
+  }
+  if (anyNonFinite(w, d)) {
+    std::fill(W, W + (d + 1) / 2 * 2, std::int16_t(0));
+    return std::numeric_limits<float>::quiet_NaN();
   }
   const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
   const __m256 vinv = _mm256_set1_ps(inv);
