@@ -591,10 +591,10 @@ TEST_CASE("KvCache quantised: the portable kernels give the dispatched kernels' 
       true);
 }
 
-TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and the exact sums' value",
+TEST_CASE("KvCache q8/q4: the integer kernels give the same bits on every path, and the exact sums' value",
           "[kvcache][isa]") {
-  // The q4 kernels' logits (keys in nibble quads) and dots (values in key quads within blocks of
-  // 16 channels) are exact integer sums and the same float steps on every path (kv_quant.hpp):
+  // The q4 keys' logits (in nibble quads) and the q8 and q4 values' dots (in key quads within
+  // blocks of 16 channels) are exact integer sums and the same float steps on every path (kv_quant.hpp):
   // the portable kernels' bits on AVX2 and AVX-512 with and without VNNI, for any row count
   // (a row's bits its own), channel counts off the quads and blocks (1, 5, 24, 41) and over
   // several blocks of exact sums (300 > 256); and within the weights' rounding of the sums over
@@ -603,19 +603,23 @@ TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and
   using sdpa::internal::Isa;
   using sdpa::internal::IsaChoice;
   using Q4 = sdpa::kv::Q4;
+  using Q8 = sdpa::kv::Q8;
   std::mt19937_64 gen(41);
   for (const Index d : {1, 5, 24, 41, 300}) {
     const Index groups = 5, R = 5;
     const Mat<float> x = kvRows(groups * quant::kGroup, 2 * d, gen);
-    std::vector<std::vector<unsigned char>> keys(groups), values(groups);
-    std::vector<const unsigned char*> kp, vp;
+    std::vector<std::vector<unsigned char>> keys(groups), values(groups), values8(groups);
+    std::vector<const unsigned char*> kp, vp, vp8;
     for (Index g = 0; g < groups; ++g) {
       keys[size_t(g)].resize(size_t(quant::groupBytes<Q4, true>(d)));
       values[size_t(g)].resize(size_t(quant::groupBytes<Q4>(d)));
+      values8[size_t(g)].resize(size_t(quant::groupBytes<Q8>(d)));
       quant::quantiseGroup<Q4, true>(x.data() + g * quant::kGroup, x.rows(), d, keys[size_t(g)].data());
       quant::quantiseGroup<Q4>(x.data() + d * x.rows() + g * quant::kGroup, x.rows(), d, values[size_t(g)].data());
+      quant::quantiseGroup<Q8>(x.data() + d * x.rows() + g * quant::kGroup, x.rows(), d, values8[size_t(g)].data());
       kp.push_back(keys[size_t(g)].data());
       vp.push_back(values[size_t(g)].data());
+      vp8.push_back(values8[size_t(g)].data());
     }
     // Rows of queries (one NaN: its logits NaN) and of weights in [0, 1] (a group of zeros: it
     // adds nothing; one row with a NaN weight: its dots NaN).
@@ -623,13 +627,14 @@ TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and
     a(3, d / 2) = std::numeric_limits<float>::quiet_NaN();
     p.row(1).segment(quant::kGroup, quant::kGroup).setZero();
     p(2, 70) = std::numeric_limits<float>::quiet_NaN();
-    const auto run = [&](Index rows, Mat<float>& s, Mat<float>& dots) {
+    const auto run = [&](Index rows, Mat<float>& s, Mat<float>& dots, Mat<float>& dots8) {
       s.setZero(rows, groups * quant::kGroup);
       dots.setZero(rows, d);
+      dots8.setZero(rows, d);
       std::vector<Eigen::VectorXf> aRows, pRows;
       std::vector<const float*> ap, pp;
-      std::vector<float*> sp, dp;
-      Mat<float> sT = s.transpose(), dT = dots.transpose();  // a row's entries contiguous
+      std::vector<float*> sp, dp, dp8;
+      Mat<float> sT = s.transpose(), dT = dots.transpose(), d8T = dots8.transpose();  // a row's entries contiguous
       for (Index r = 0; r < rows; ++r) {
         aRows.emplace_back(a.row(r).transpose());
         pRows.emplace_back(p.row(r).transpose());
@@ -639,23 +644,28 @@ TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and
         pp.push_back(pRows[size_t(r)].data());
         sp.push_back(sT.col(r).data());
         dp.push_back(dT.col(r).data());
+        dp8.push_back(d8T.col(r).data());
       }
-      std::vector<float> as(size_t(quant::logitsScratch(rows, d))), acc(size_t(64 * d));
+      std::vector<float> as(size_t(quant::logitsScratch(rows, d)));
       quant::logitsGroups<Q4>(ap.data(), rows, kp.data(), groups, d, sp.data(), as.data());
-      quant::valuesGroups<Q4>(pp.data(), rows, vp.data(), groups, d, dp.data(), acc.data());
+      quant::valuesGroups<Q4>(pp.data(), rows, vp.data(), groups, d, dp.data());
+      quant::valuesGroups<Q8>(pp.data(), rows, vp8.data(), groups, d, dp8.data());
       s = sT.transpose();
       dots = dT.transpose();
+      dots8 = d8T.transpose();
     };
     const auto same = [](const Mat<float>& u, const Mat<float>& v) {
       return ((u.array() == v.array()) || (u.array().isNaN() && v.array().isNaN())).all();
     };
     IsaChoice::setCap(Isa::Portable);
-    Mat<float> s0, d0;
-    run(R, s0, d0);
+    Mat<float> s0, d0, e0;
+    run(R, s0, d0, e0);
     CHECK(s0.row(3).array().isNaN().all());
     CHECK(d0.row(2).array().isNaN().all());
+    CHECK(e0.row(2).array().isNaN().all());
     CHECK(!s0.row(0).array().isNaN().any());
     CHECK(!d0.row(1).array().isNaN().any());
+    CHECK(!e0.row(1).array().isNaN().any());
     // Against the dequantised sums in double: the weights' rounding (kv_quant.hpp) bounds each.
     for (Index r : {0, 1, 4}) {
       for (Index g = 0; g < groups; ++g) {
@@ -678,19 +688,25 @@ TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and
         }
       }
       for (Index c = 0; c < d; ++c) {
-        double exact = 0, bound = 1e-30;
+        double exact = 0, exact8 = 0, bound = 1e-30, bound8 = 1e-30;
         for (Index g = 0; g < groups; ++g) {
-          double pMax = 0, vMax = 0;
+          double pMax = 0, vMax = 0, vMax8 = 0;
           for (Index i = 0; i < quant::kGroup; ++i) {
             const double v = quant::dequantised<Q4>(vp[size_t(g)], d, i, c), w = p(r, g * quant::kGroup + i);
+            const double v8 = quant::dequantised<Q8>(vp8[size_t(g)], d, i, c);
             exact += w * v;
+            exact8 += w * v8;
             pMax = std::max(pMax, w);
             vMax = std::max(vMax, std::abs(v));
+            vMax8 = std::max(vMax8, std::abs(v8));
             bound += 1e-6 * std::abs(w * v);
+            bound8 += 1e-6 * std::abs(w * v8);
           }
           bound += 32 * 0.51 * pMax / 65535 * vMax;
+          bound8 += 32 * 0.51 * pMax / 65535 * vMax8;
         }
         CHECK(std::abs(double(d0(r, c)) - exact) <= bound);
+        CHECK(std::abs(double(e0(r, c)) - exact8) <= bound8);
       }
     }
     sdpa_test::forEachIsa(
@@ -700,10 +716,11 @@ TEST_CASE("KvCache q4: the integer kernels give the same bits on every path, and
             quant::IntDotCap::value() = cap;
             INFO("d " << d << ", integer dot products' path cap " << cap);
             for (const Index rows : {Index(1), Index(2), Index(3), R}) {
-              Mat<float> s, dots;
-              run(rows, s, dots);
+              Mat<float> s, dots, dots8;
+              run(rows, s, dots, dots8);
               CHECK(same(s, s0.topRows(rows)));
               CHECK(same(dots, d0.topRows(rows)));
+              CHECK(same(dots8, e0.topRows(rows)));
             }
           }
           quant::IntDotCap::value() = 2;

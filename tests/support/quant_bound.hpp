@@ -27,7 +27,7 @@ namespace sdpa_test {
  *   an output moves by at most (e^{2 delta} - 1) (range of its visible values) / 2;
  * - plus the values' own error, at most max step_v / 2, and the float rounding of the weights
  *   (exp, their sum: gamma(n) + 4 u relative) and of the weighted sum (gamma(n)): (2 gamma(n) +
- *   4 u) max |v| over the n visible keys; q4 values' integer sums round each group's weights to
+ *   4 u) max |v| over the n visible keys; the values' integer sums round each group's weights to
  *   65535 steps of the group's largest, p_max (1/2 + 2 65535 u steps off each): with the weights'
  *   sum at least the sum of the groups' p_max, at most 32 (1/2 + 2 65535 u) / 65535 of the
  *   largest |code value| more.
@@ -64,7 +64,7 @@ Eigen::VectorXd quantisedAttentionBound(const Eigen::VectorXd& q, const Eigen::M
   for (Index c = 0; c < dV; ++c) {
     const auto col = v.col(c).segment(from, n);
     const double range = col.maxCoeff() - col.minCoeff(), largest = col.cwiseAbs().maxCoeff() + vStep(c) / 2;
-    const double weightRounding = F::Bits == 4 ? 32 * (0.5 + 2 * 65535.0 * u) / 65535.0 * largest : 0.0;
+    const double weightRounding = 32 * (0.5 + 2 * 65535.0 * u) / 65535.0 * largest;
     bound(c) =
         std::expm1(2 * delta) * range / 2 + vStep(c) / 2 + (2 * gamma(double(n)) + 4 * u) * largest + weightRounding;
   }

@@ -598,8 +598,8 @@ struct decode_cache_impl {
     if constexpr (kQuantised) {
       offset = gatherGroups<false>(plan, chunk, h, dV, sc);
       if (!sc.groups.empty()) {
-        quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV, sc.rowsD.data(),
-                                     sc.acc.get(64 * dV));
+        quant::valuesGroups<Storage>(sc.rowsA.data(), R, sc.groups.data(), Index(sc.groups.size()), dV,
+                                     sc.rowsD.data());
         any = true;
       }
     }

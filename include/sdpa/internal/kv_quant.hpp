@@ -3,18 +3,19 @@
 
 // Quantised k and v of a KvCache (int8 and 4-bit codes with an fp16 scale per block of 32
 // values, the sizes of ggml's q8_0 and q4_0) and the decoding products that read them without a
-// dequantised copy: q8 keys' logits and q4 keys' logits and values' sums as exact integer dot
-// products, q8 values widened to fp32 in registers. A block is 32 consecutive keys of one channel: the cache stores
-// each head's k and v column-major (a channel's keys contiguous), the layout the decoding kernels stream, and a
-// channel's scale also follows the per-channel outliers of k (KIVI, Liu et al. 2024).
+// dequantised copy: logits and weighted sums as exact integer dot products (the float side
+// rounded to integers per block), then the same float steps on every path. A block is 32
+// consecutive keys of one channel: the cache stores each head's k and v column-major (a
+// channel's keys contiguous), the layout the decoding kernels stream, and a channel's scale also
+// follows the per-channel outliers of k (KIVI, Liu et al. 2024).
 //
-// A group (32 keys of one head, d channels) is d fp16 scales, then the codes: q8 values channel
-// by channel (32 bytes, int8); q8 keys in channel pairs (kPaired: 64 bytes per pair, each key's
-// two codes adjacent); q4 (each code + 8 in a nibble, key i < 16 low, key i + 16 high) in the
-// byte order of the integer dot products that read them (kNibbleQuads): keys by quads of
-// channels (a 64-byte line per 4 channels: key i's 4 codes in bytes 4 (i mod 16) ..), values by
-// quads of keys within blocks of 16 channels (per block of w channels, 4 rows of 4 w bytes:
-// row j holds channel c's keys 4 j .. 4 j + 3 in bytes 4 c ..).
+// A group (32 keys of one head, d channels) is d fp16 scales, then the codes (q8: int8; q4: code
+// + 8 in a nibble, key i < 16 low, key i + 16 high) in the byte order of the integer dot products
+// that read them: q8 keys in channel pairs (kPaired: 64 bytes per pair, each key's two codes
+// adjacent); q4 keys by quads of channels (kNibbleQuads: a 64-byte line per 4 channels, key i's 4
+// codes in bytes 4 (i mod 16) ..); values by quads of keys within blocks of 16 channels (per block
+// of w channels, rows of 4 w bytes, row j holding channel c's keys 4 j .. 4 j + 3 in bytes 4 c ..:
+// q8 8 rows, q4 4, keys 16 .. 31 in the high nibbles).
 
 #include <algorithm>
 #include <cmath>
@@ -66,11 +67,12 @@ template <typename F, bool Keys>
 inline constexpr bool kPaired = Keys&& F::Bits == 8;
 
 /// Whether a group keeps its codes in nibble quads: q4 keys and values, read by integer dot
-/// products of 4 bytes (the file's head; keys' d padded to a multiple of 4 with code 0).
+/// products of 4 bytes (the file's head; keys' d padded to a multiple of 4 with code 0; values
+/// of both formats are in quads of keys).
 template <typename F>
 inline constexpr bool kNibbleQuads = F::Bits == 4;
 
-/// Channels per block of a q4 group's values (their lanes in the values kernel).
+/// Channels per block of a group's values (their lanes in the values kernel).
 inline constexpr Index kQuadBlock = 16;
 
 /// Bytes of a group of d channels: d fp16 scales, then the codes (of keys, or of values).
@@ -109,11 +111,10 @@ Index codeOffset(Index d, Index i, Index c) {
     return base + c / 2 * 2 * kGroup + 2 * i + (c & 1);
   } else if constexpr (kNibbleQuads<F> && Keys) {
     return base + c / 4 * 2 * kGroup + 4 * (i % 16) + c % 4;
-  } else if constexpr (kNibbleQuads<F>) {
-    const Index b = c / kQuadBlock, w = std::min(kQuadBlock, d - b * kQuadBlock);
-    return base + b * kQuadBlock * kCodeBytes<F> + (i % 16) / 4 * 4 * w + 4 * (c % kQuadBlock) + i % 4;
   } else {
-    return base + c * kCodeBytes<F> + i;
+    const Index b = c / kQuadBlock, w = std::min(kQuadBlock, d - b * kQuadBlock);
+    const Index row = F::Bits == 8 ? i / 4 : i % (kGroup / 2) / 4;
+    return base + b * kQuadBlock * kCodeBytes<F> + row * 4 * w + 4 * (c % kQuadBlock) + i % 4;
   }
 }
 
@@ -267,35 +268,9 @@ inline void logitsPairedPortable(const float* const* a, Index R, const unsigned 
   }
 }
 
-/// q8 values' dots, portable (the float paths sum in an order of their own).
-template <typename F>
-void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
-                          float* const* dots) {
-  for (Index r = 0; r < R; ++r)
-    for (Index c = 0; c < d; ++c) dots[r][c] = 0.0f;
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    const unsigned char* codes = group + d * Index(sizeof(std::uint16_t));
-    for (Index c = 0; c < d; ++c) {
-      std::uint16_t bits;
-      std::memcpy(&bits, group + c * Index(sizeof bits), sizeof bits);
-      const float scale = halfBits(bits);
-      const unsigned char* cc = codes + c * kCodeBytes<F>;
-      float x[kGroup];
-      for (Index i = 0; i < kGroup; ++i) x[i] = float(static_cast<std::int8_t>(cc[i]));
-      for (Index r = 0; r < R; ++r) {
-        const float* pr = p[r] + g * kGroup;
-        float t = 0.0f;
-        for (Index i = 0; i < kGroup; ++i) t += pr[i] * x[i];
-        dots[r][c] += scale * t;
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
-// q4 keys and values as integer dot products of bytes (vpdpbusd: 4 products of an unsigned and a
-// signed byte per 32-bit lane), the codes unpacked from their nibbles in registers.
+// q4 keys and q8 and q4 values as integer dot products of bytes (vpdpbusd: 4 products of an
+// unsigned and a signed byte per 32-bit lane), q4 codes unpacked from their nibbles in registers.
 // - Keys: a query row's weights of a group, w_c = a_c scale_gc, become W_c = round(w_c / ws),
 //   ws = max_c |w_c| / 16383, as two bytes W_c = 128 Wh_c + Wl_c (Wh in [-128, 127], Wl in
 //   [0, 127]); a logit is ws times the exact int32 sum_c W_c (u_ic - 8) = 128 sum Wh u + sum Wl u
@@ -303,7 +278,9 @@ void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* c
 //   multiply-add per key and block. Each W_c is off by at most ws / 2: a logit by at most
 //   d 7 ws / 2 (1/2340 of the keys' own quantisation bound at equal weights).
 // - Values: a row's weights over a group, p_i in [0, 1], become P_i = round(p_i / ps),
-//   ps = max_i p_i / 65535, as two bytes 256 Ph_i + Pl_i; a channel's sum_i P_i code_ic is exact,
+//   ps = max_i p_i / 65535, as two bytes 256 Ph_i + Pl_i (or, for q8 codes where a pair of
+//   products must stay within int16, vpmaddubsw's limit, three of 7, 7 and 2 bits); a channel's
+//   sum_i P_i code_ic is exact,
 //   and dots_c += (scale_gc ps) float(sum), one fused multiply-add per channel and group. Each P_i
 //   is off by at most ps / 2: an output (the dots over the weights' sum, which is at least the
 //   sum of the groups' largest weights) by at most max |v| / 4096.
@@ -338,7 +315,7 @@ inline float q4KeyWeights(const float* a, const std::uint16_t* scales, Index d, 
 
 /// ps and the bytes of P of one row's 32 weights of a group: ps 0 where every weight is 0 (the
 /// group adds nothing), NaN where one is not finite.
-inline float q4ValueWeights(const float* p, std::uint8_t* Ph, std::uint8_t* Pl) {
+inline float intValueWeights(const float* p, std::uint8_t* Ph, std::uint8_t* Pl) {
   float m = 0.0f;
   bool finite = true;
   for (Index i = 0; i < kGroup; ++i) {
@@ -402,23 +379,31 @@ inline void q4LogitsPortable(const float* const* a, Index R, const unsigned char
   }
 }
 
-/// q4 values' dots, portable: the AVX-512 and AVX2 kernels' integers and float steps.
-inline void q4ValuesPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
-                             float* const* dots) {
+/// The code of key i (< 32), channel c of a group's values.
+template <typename F>
+std::int32_t valueCode(const unsigned char* group, Index d, Index i, Index c) {
+  const unsigned char byte = group[codeOffset<F, false>(d, i, c)];
+  if constexpr (F::Bits == 8)
+    return std::int32_t(static_cast<std::int8_t>(byte));
+  else
+    return std::int32_t(i < kGroup / 2 ? byte & 0xF : byte >> 4) - 8;
+}
+
+/// q8 and q4 values' dots, portable: the AVX-512 and AVX2 kernels' integers and float steps.
+template <typename F>
+void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
+                          float* const* dots) {
   for (Index r = 0; r < R; ++r) std::fill(dots[r], dots[r] + d, 0.0f);
   std::uint8_t Ph[kGroup], Pl[kGroup];
   for (Index g = 0; g < n; ++g) {
     const auto* scales = reinterpret_cast<const std::uint16_t*>(groups[g]);
     for (Index r = 0; r < R; ++r) {
-      const float ps = q4ValueWeights(p[r] + g * kGroup, Ph, Pl);
+      const float ps = intValueWeights(p[r] + g * kGroup, Ph, Pl);
       if (ps == 0.0f) continue;
       for (Index c = 0; c < d; ++c) {
         std::int32_t sum = 0;
-        for (Index i = 0; i < kGroup; ++i) {
-          const unsigned char byte = groups[g][codeOffset<kv::Q4, false>(d, i, c)];
-          const std::int32_t code = std::int32_t(i < kGroup / 2 ? byte & 0xF : byte >> 4) - 8;
-          sum += (256 * std::int32_t(Ph[i]) + std::int32_t(Pl[i])) * code;
-        }
+        for (Index i = 0; i < kGroup; ++i)
+          sum += (256 * std::int32_t(Ph[i]) + std::int32_t(Pl[i])) * valueCode<F>(groups[g], d, i, c);
         dots[r][c] = std::fma(halfBits(scales[c]) * ps, float(sum), dots[r][c]);
       }
     }
@@ -433,87 +418,6 @@ inline void q4ValuesPortable(const float* const* p, Index R, const unsigned char
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 namespace avx512 {
-
-#define SDPA_QUANT_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
-
-/// Keys i and i + 16 of a channel's q8 codes as two vectors of 16 floats.
-template <typename F>
-SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m512& x0, __m512& x1) {
-  static_assert(F::Bits == 8, "q4 codes are read as integers (kv_quant_q4.inc)");
-  x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc))));
-  x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cc + 16))));
-}
-
-/// dots for Rows rows over every group, group by group: each group read once, in order, with
-/// the partial sums of every (row, channel) in memory (acc: Rows d packets, in L1). A loop over
-/// channel blocks outside the groups would stride through memory once per block, 256 bytes of
-/// each 4 KiB group at a time, which the hardware prefetcher does not follow (0.5 ms of a 0.9 ms
-/// q8 decode at n_k 65536, d 128). Per (row, channel) the same sums in the same order.
-template <typename F, int Rows>
-SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
-                                  float* const* dots, float* acc) {
-  for (Index i = 0; i < Rows * d * 16; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-  const Index codeBase = d * Index(sizeof(std::uint16_t));
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);  // its codes: 8 channels at a time
-    __m512 p0[Rows], p1[Rows];
-    for (int m = 0; m < Rows; ++m) {
-      p0[m] = _mm512_loadu_ps(p[m] + g * kGroup);
-      p1[m] = _mm512_loadu_ps(p[m] + g * kGroup + 16);
-    }
-    for (Index c0 = 0; c0 < d; c0 += 8) {
-      const Index cols = std::min<Index>(8, d - c0);
-      if (ahead)
-        for (Index b = 0; b < cols * kCodeBytes<F>; b += 64)
-          __builtin_prefetch(ahead + codeBase + c0 * kCodeBytes<F> + b, 0, 2);
-      // Eight scales converted at once (a broadcast from memory then costs no shuffle).
-      alignas(32) float sc8[8];
-      if (cols == 8)
-        _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
-      else
-        for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
-      for (Index c = 0; c < cols; ++c) {
-        __m512 x0, x1;
-        load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x0, x1);
-        const __m512 sc = _mm512_set1_ps(sc8[c]);
-        for (int m = 0; m < Rows; ++m) {
-          const __m512 t = _mm512_fmadd_ps(p1[m], x1, _mm512_mul_ps(p0[m], x0));
-          float* a = acc + (m * d + c0 + c) * 16;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(sc, t, _mm512_loadu_ps(a)));
-        }
-      }
-    }
-  }
-  for (int m = 0; m < Rows; ++m)
-    for (Index c = 0; c < d; ++c) dots[m][c] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (m * d + c) * 16));
-}
-
-/// acc: scratch of 4 d packets (64 d floats).
-template <typename F>
-SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n,
-                                    Index d, float* const* dots, float* acc) {
-  constexpr Index kRows = 4;
-  for (Index r0 = 0; r0 < R; r0 += kRows) {
-    switch (std::min(kRows, R - r0)) {
-      case 1:
-        valuesRows<F, 1>(p + r0, groups, n, d, dots + r0, acc);
-        break;
-      case 2:
-        valuesRows<F, 2>(p + r0, groups, n, d, dots + r0, acc);
-        break;
-      case 3:
-        valuesRows<F, 3>(p + r0, groups, n, d, dots + r0, acc);
-        break;
-      default:
-        valuesRows<F, 4>(p + r0, groups, n, d, dots + r0, acc);
-        break;
-    }
-  }
-}
-
-#undef SDPA_QUANT_TARGET
 
 // q8 keys' integer logits, compiled twice: AVX512BW (vpmaddwd + vpaddd) and AVX512_VNNI
 // (vpdpwssd); each its own target, so that no VNNI instruction reaches a CPU without it.
@@ -537,83 +441,15 @@ SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsign
 }  // namespace avx512
 
 /**
- * The same products with AVX2 (every x86 CPU since 2013-2015 that lacks AVX-512, the AMD ones
- * among them): vectors of 8 floats and 16 registers, so blocks of two rows. q8 keys' integer
- * logits are avx512's exact sums (vpmaddwd), so the same bits on every path; the float paths
- * (q8 values) sum in an order of their own, as the portable ones do.
+ * q8 keys' logits with AVX2 (every x86 CPU since 2013-2015 that lacks AVX-512, the AMD ones among
+ * them): avx512's exact sums (vpmaddwd), so the same bits on every path.
  */
 namespace avx2 {
 
 #define SDPA_QUANT_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/// Rows per register block: 4 vectors of partial sums (32 keys) per row, the codes' 4 vectors.
+/// Rows per register block of the logits (16 registers).
 inline constexpr Index kRows = 2;
-
-/// Keys 8 h .. 8 h + 7 of a channel's q8 codes as x[h], h = 0..3.
-template <typename F>
-SDPA_QUANT_TARGET inline void load32(const unsigned char* cc, __m256* x) {
-  static_assert(F::Bits == 8, "q4 codes are read as integers (kv_quant_q4.inc)");
-  for (Index h = 0; h < 4; ++h)
-    x[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + 8 * h))));
-}
-
-/// avx512::valuesRows with 8-lane partial sums per (row, channel) (acc: Rows d 8 floats).
-template <typename F, int Rows>
-SDPA_QUANT_TARGET void valuesRows(const float* const* p, const unsigned char* const* groups, Index n, Index d,
-                                  float* const* dots, float* acc) {
-  for (Index i = 0; i < Rows * d * 8; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  const Index codeBase = d * Index(sizeof(std::uint16_t));
-  for (Index g = 0; g < n; ++g) {
-    const unsigned char* group = groups[g];
-    const auto* scales = reinterpret_cast<const std::uint16_t*>(group);
-    const unsigned char* ahead = groupAhead<F, false>(groups, g, n, d);  // its codes: 8 channels at a time
-    __m256 pv[Rows][4];
-    for (int m = 0; m < Rows; ++m)
-      for (Index h = 0; h < 4; ++h) pv[m][h] = _mm256_loadu_ps(p[m] + g * kGroup + 8 * h);
-    for (Index c0 = 0; c0 < d; c0 += 8) {
-      const Index cols = std::min<Index>(8, d - c0);
-      if (ahead)
-        for (Index b = 0; b < cols * kCodeBytes<F>; b += 64)
-          __builtin_prefetch(ahead + codeBase + c0 * kCodeBytes<F> + b, 0, 2);
-      alignas(32) float sc8[8];
-      if (cols == 8)
-        _mm256_store_ps(sc8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c0))));
-      else
-        for (Index c = 0; c < cols; ++c) sc8[c] = _cvtsh_ss(scales[c0 + c]);
-      for (Index c = 0; c < cols; ++c) {
-        __m256 x[4];
-        load32<F>(group + codeBase + (c0 + c) * kCodeBytes<F>, x);
-        const __m256 sc = _mm256_set1_ps(sc8[c]);
-        for (int m = 0; m < Rows; ++m) {
-          const __m256 t = _mm256_fmadd_ps(
-              pv[m][3], x[3],
-              _mm256_fmadd_ps(pv[m][2], x[2], _mm256_fmadd_ps(pv[m][1], x[1], _mm256_mul_ps(pv[m][0], x[0]))));
-          float* a = acc + (m * d + c0 + c) * 8;
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(sc, t, _mm256_loadu_ps(a)));
-        }
-      }
-    }
-  }
-  for (int m = 0; m < Rows; ++m)
-    for (Index c = 0; c < d; ++c) {
-      const float* a = acc + (m * d + c) * 8;
-      float sum = 0.0f;
-      for (int l = 0; l < 8; ++l) sum += a[l];
-      dots[m][c] = sum;
-    }
-}
-
-/// acc: scratch of kRows d 9 floats.
-template <typename F>
-SDPA_QUANT_TARGET void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n,
-                                    Index d, float* const* dots, float* acc) {
-  for (Index r0 = 0; r0 < R; r0 += kRows) {
-    if (R - r0 == 1)
-      valuesRows<F, 1>(p + r0, groups, n, d, dots + r0, acc);
-    else
-      valuesRows<F, 2>(p + r0, groups, n, d, dots + r0, acc);
-  }
-}
 
 /// int16Weights, 8 channels at a time (the same floats).
 SDPA_QUANT_TARGET inline float int16Weights(const float* a, const std::uint16_t* scales, Index d, std::int16_t* W,
@@ -713,161 +549,177 @@ SDPA_QUANT_TARGET inline void logitsPaired(const float* const* a, Index R, const
 
 #undef SDPA_QUANT_TARGET
 }  // namespace avx2
-// q4's integer kernels (kv_quant_q4.inc): AVX-512 with VNNI (vpdpbusd), AVX-512 BW (vpmaddubsw,
-// vpmaddwd and vpaddd: the same integers; no pair of products reaches int16's range, codes <= 15
-// and bytes <= 255 against bytes <= 128 and codes <= 8), and AVX2 as AVX-512 BW on 8 lanes.
+// The integer kernels of q4 keys and q8/q4 values (kv_quant_bytes.inc): AVX-512 with VNNI
+// (vpdpbusd), AVX-512 BW (vpmaddubsw, vpmaddwd and vpaddd: the same integers, with no pair of
+// products past int16's range: q4 codes <= 15 against bytes <= 128, bytes <= 255 against q4 codes
+// <= 8, 7-bit parts of the weights against q8 codes <= 127), and AVX2 as AVX-512 BW on 8 lanes.
 namespace avx512 {
 
-#define SDPA_Q4_BW __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define SDPA_BYTES_BW __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
-/// kv_quant_q4.inc's vector operations on 16 lanes (AVX512F and AVX512BW).
+/// kv_quant_bytes.inc's vector operations on 16 lanes (AVX512F and AVX512BW).
 struct Ops512 {
   using VI = __m512i;
   using VF = __m512;
   static constexpr int kBytes = 64;
   static constexpr Index kLanes = 16, kRows = 3;
   static constexpr int kSplit = 2;
-  SDPA_Q4_BW static VF set1(float x) { return _mm512_set1_ps(x); }
-  SDPA_Q4_BW static VF abs(VF x) { return _mm512_abs_ps(x); }
-  SDPA_Q4_BW static VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-  SDPA_Q4_BW static VF max(VF a, VF b) { return _mm512_max_ps(a, b); }
-  SDPA_Q4_BW static VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-  SDPA_Q4_BW static VF loadF(const float* p) { return _mm512_loadu_ps(p); }
-  SDPA_Q4_BW static void storeF(float* p, VF x) { _mm512_storeu_ps(p, x); }
-  SDPA_Q4_BW static __mmask16 first(Index n) { return __mmask16((1u << n) - 1); }
-  SDPA_Q4_BW static VF loadLanesF(const float* p, Index n) {
+  /// Whether dot() adds each product into 32 bits (vpdpbusd), or pairs of them into 16 first
+  /// (vpmaddubsw: a pair must stay within int16).
+  static constexpr bool kWideProducts = false;
+  SDPA_BYTES_BW static VF set1(float x) { return _mm512_set1_ps(x); }
+  SDPA_BYTES_BW static VF abs(VF x) { return _mm512_abs_ps(x); }
+  SDPA_BYTES_BW static VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  SDPA_BYTES_BW static VF max(VF a, VF b) { return _mm512_max_ps(a, b); }
+  SDPA_BYTES_BW static VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+  SDPA_BYTES_BW static VF loadF(const float* p) { return _mm512_loadu_ps(p); }
+  SDPA_BYTES_BW static void storeF(float* p, VF x) { _mm512_storeu_ps(p, x); }
+  SDPA_BYTES_BW static __mmask16 first(Index n) { return __mmask16((1u << n) - 1); }
+  SDPA_BYTES_BW static VF loadLanesF(const float* p, Index n) {
     return n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(n), p);
   }
-  SDPA_Q4_BW static void storeLanes(float* p, VF x, Index n) {
+  SDPA_BYTES_BW static void storeLanes(float* p, VF x, Index n) {
     if (n == kLanes)
       _mm512_storeu_ps(p, x);
     else
       _mm512_mask_storeu_ps(p, first(n), x);
   }
-  SDPA_Q4_BW static VF halves(const std::uint16_t* h) {
+  SDPA_BYTES_BW static VF halves(const std::uint16_t* h) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
   }
-  SDPA_Q4_BW static VF halvesLanes(const std::uint16_t* h, Index n) {
+  SDPA_BYTES_BW static VF halvesLanes(const std::uint16_t* h, Index n) {
     if (n == kLanes) return halves(h);
     alignas(32) std::uint16_t x[kLanes] = {};
     std::memcpy(x, h, size_t(n) * sizeof *h);
     return halves(x);
   }
-  SDPA_Q4_BW static bool allFinite(VF x) {
+  SDPA_BYTES_BW static bool allFinite(VF x) {
     return _mm512_cmp_ps_mask(x, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ) == 0xFFFF;
   }
-  SDPA_Q4_BW static float reduceMax(VF x) { return _mm512_reduce_max_ps(x); }
-  SDPA_Q4_BW static VI round(VF x) { return _mm512_cvtps_epi32(x); }
-  SDPA_Q4_BW static VF toFloat(VI x) { return _mm512_cvtepi32_ps(x); }
-  SDPA_Q4_BW static std::int32_t reduceAdd(VI x) { return _mm512_reduce_add_epi32(x); }
-  SDPA_Q4_BW static void storeBytes(std::int8_t* p, VI x) {
+  SDPA_BYTES_BW static float reduceMax(VF x) { return _mm512_reduce_max_ps(x); }
+  SDPA_BYTES_BW static VI round(VF x) { return _mm512_cvtps_epi32(x); }
+  SDPA_BYTES_BW static VF toFloat(VI x) { return _mm512_cvtepi32_ps(x); }
+  SDPA_BYTES_BW static std::int32_t reduceAdd(VI x) { return _mm512_reduce_add_epi32(x); }
+  SDPA_BYTES_BW static void storeBytes(std::int8_t* p, VI x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
-  SDPA_Q4_BW static void storeBytesUnsigned(std::uint8_t* p, VI x) {
+  SDPA_BYTES_BW static void storeBytesUnsigned(std::uint8_t* p, VI x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
-  SDPA_Q4_BW static VI zero() { return _mm512_setzero_si512(); }
-  SDPA_Q4_BW static VI set1Int(std::int32_t x) { return _mm512_set1_epi32(x); }
-  SDPA_Q4_BW static VI addInt(VI a, VI b) { return _mm512_add_epi32(a, b); }
-  SDPA_Q4_BW static VI andInt(VI a, std::int32_t b) { return _mm512_and_si512(a, _mm512_set1_epi32(b)); }
-  SDPA_Q4_BW static VI shiftLeft7(VI x) { return _mm512_slli_epi32(x, 7); }
-  SDPA_Q4_BW static VI shiftLeft8(VI x) { return _mm512_slli_epi32(x, 8); }
-  SDPA_Q4_BW static VI shiftRight8(VI x) { return _mm512_srli_epi32(x, 8); }
-  SDPA_Q4_BW static VI shiftRightArithmetic7(VI x) { return _mm512_srai_epi32(x, 7); }
-  SDPA_Q4_BW static VI load(const void* p) { return _mm512_loadu_si512(p); }
-  SDPA_Q4_BW static VI loadLanes(const void* p, Index n) {
+  SDPA_BYTES_BW static VI zero() { return _mm512_setzero_si512(); }
+  SDPA_BYTES_BW static VI set1Int(std::int32_t x) { return _mm512_set1_epi32(x); }
+  SDPA_BYTES_BW static VI addInt(VI a, VI b) { return _mm512_add_epi32(a, b); }
+  SDPA_BYTES_BW static VI andInt(VI a, std::int32_t b) { return _mm512_and_si512(a, _mm512_set1_epi32(b)); }
+  SDPA_BYTES_BW static VI shiftLeft7(VI x) { return _mm512_slli_epi32(x, 7); }
+  SDPA_BYTES_BW static VI shiftLeft8(VI x) { return _mm512_slli_epi32(x, 8); }
+  SDPA_BYTES_BW static VI shiftRight8(VI x) { return _mm512_srli_epi32(x, 8); }
+  template <int N>
+  SDPA_BYTES_BW static VI shiftLeft(VI x) {
+    return _mm512_slli_epi32(x, N);
+  }
+  template <int N>
+  SDPA_BYTES_BW static VI shiftRight(VI x) {
+    return _mm512_srli_epi32(x, N);
+  }
+  SDPA_BYTES_BW static VI shiftRightArithmetic7(VI x) { return _mm512_srai_epi32(x, 7); }
+  SDPA_BYTES_BW static VI load(const void* p) { return _mm512_loadu_si512(p); }
+  SDPA_BYTES_BW static VI loadLanes(const void* p, Index n) {
     return n == kLanes ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(first(n), p);
   }
-  SDPA_Q4_BW static VI lowNibbles(VI x) { return _mm512_and_si512(x, _mm512_set1_epi8(0x0F)); }
-  SDPA_Q4_BW static VI highNibbles(VI x) { return _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0F)); }
-  SDPA_Q4_BW static VI minus8(VI x) { return _mm512_sub_epi8(x, _mm512_set1_epi8(8)); }
-  SDPA_Q4_BW static VI broadcast4(const void* p) {
+  SDPA_BYTES_BW static VI lowNibbles(VI x) { return _mm512_and_si512(x, _mm512_set1_epi8(0x0F)); }
+  SDPA_BYTES_BW static VI highNibbles(VI x) {
+    return _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0F));
+  }
+  SDPA_BYTES_BW static VI minus8(VI x) { return _mm512_sub_epi8(x, _mm512_set1_epi8(8)); }
+  SDPA_BYTES_BW static VI broadcast4(const void* p) {
     std::int32_t x;
     std::memcpy(&x, p, sizeof x);
     return _mm512_set1_epi32(x);
   }
 };
 
-namespace q4vnni {
-#define SDPA_Q4_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+namespace bytes_vnni {
+#define SDPA_BYTES_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 struct Ops : Ops512 {
-  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) { return _mm512_dpbusd_epi32(acc, a, b); }
+  static constexpr bool kWideProducts = true;
+  SDPA_BYTES_TARGET static VI dot(VI acc, VI a, VI b) { return _mm512_dpbusd_epi32(acc, a, b); }
 };
-#include "kv_quant_q4.inc"
-#undef SDPA_Q4_TARGET
-}  // namespace q4vnni
+#include "kv_quant_bytes.inc"
+#undef SDPA_BYTES_TARGET
+}  // namespace bytes_vnni
 
-namespace q4bw {
-#define SDPA_Q4_TARGET SDPA_Q4_BW
+namespace bytes_bw {
+#define SDPA_BYTES_TARGET SDPA_BYTES_BW
 struct Ops : Ops512 {
-  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) {
+  SDPA_BYTES_TARGET static VI dot(VI acc, VI a, VI b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
   }
 };
-#include "kv_quant_q4.inc"
-#undef SDPA_Q4_TARGET
-}  // namespace q4bw
-#undef SDPA_Q4_BW
+#include "kv_quant_bytes.inc"
+#undef SDPA_BYTES_TARGET
+}  // namespace bytes_bw
+#undef SDPA_BYTES_BW
 
 }  // namespace avx512
 
-namespace avx2::q4 {
+namespace avx2::bytes {
 
-#define SDPA_Q4_TARGET __attribute__((target("avx2,fma,f16c")))
+#define SDPA_BYTES_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/// kv_quant_q4.inc's vector operations on 8 lanes.
+/// kv_quant_bytes.inc's vector operations on 8 lanes.
 struct Ops {
   using VI = __m256i;
   using VF = __m256;
   static constexpr int kBytes = 32;
   static constexpr Index kLanes = 8, kRows = 1;
   static constexpr int kSplit = 1;
-  SDPA_Q4_TARGET static VF set1(float x) { return _mm256_set1_ps(x); }
-  SDPA_Q4_TARGET static VF abs(VF x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
-  SDPA_Q4_TARGET static VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-  SDPA_Q4_TARGET static VF max(VF a, VF b) { return _mm256_max_ps(a, b); }
-  SDPA_Q4_TARGET static VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-  SDPA_Q4_TARGET static VF loadF(const float* p) { return _mm256_loadu_ps(p); }
-  SDPA_Q4_TARGET static void storeF(float* p, VF x) { _mm256_storeu_ps(p, x); }
-  SDPA_Q4_TARGET static __m256i first(Index n) {
+  static constexpr bool kWideProducts = false;
+  SDPA_BYTES_TARGET static VF set1(float x) { return _mm256_set1_ps(x); }
+  SDPA_BYTES_TARGET static VF abs(VF x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  SDPA_BYTES_TARGET static VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+  SDPA_BYTES_TARGET static VF max(VF a, VF b) { return _mm256_max_ps(a, b); }
+  SDPA_BYTES_TARGET static VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+  SDPA_BYTES_TARGET static VF loadF(const float* p) { return _mm256_loadu_ps(p); }
+  SDPA_BYTES_TARGET static void storeF(float* p, VF x) { _mm256_storeu_ps(p, x); }
+  SDPA_BYTES_TARGET static __m256i first(Index n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  SDPA_Q4_TARGET static VF loadLanesF(const float* p, Index n) {
+  SDPA_BYTES_TARGET static VF loadLanesF(const float* p, Index n) {
     return n == kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(n));
   }
-  SDPA_Q4_TARGET static void storeLanes(float* p, VF x, Index n) {
+  SDPA_BYTES_TARGET static void storeLanes(float* p, VF x, Index n) {
     if (n == kLanes)
       _mm256_storeu_ps(p, x);
     else
       _mm256_maskstore_ps(p, first(n), x);
   }
-  SDPA_Q4_TARGET static VF halves(const std::uint16_t* h) {
+  SDPA_BYTES_TARGET static VF halves(const std::uint16_t* h) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
   }
-  SDPA_Q4_TARGET static VF halvesLanes(const std::uint16_t* h, Index n) {
+  SDPA_BYTES_TARGET static VF halvesLanes(const std::uint16_t* h, Index n) {
     if (n == kLanes) return halves(h);
     alignas(16) std::uint16_t x[kLanes] = {};
     std::memcpy(x, h, size_t(n) * sizeof *h);
     return halves(x);
   }
-  SDPA_Q4_TARGET static bool allFinite(VF x) {
+  SDPA_BYTES_TARGET static bool allFinite(VF x) {
     return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ)) == 0xFF;
   }
-  SDPA_Q4_TARGET static float reduceMax(VF x) {
+  SDPA_BYTES_TARGET static float reduceMax(VF x) {
     const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
   }
-  SDPA_Q4_TARGET static VI round(VF x) { return _mm256_cvtps_epi32(x); }
-  SDPA_Q4_TARGET static VF toFloat(VI x) { return _mm256_cvtepi32_ps(x); }
-  SDPA_Q4_TARGET static std::int32_t reduceAdd(VI x) {
+  SDPA_BYTES_TARGET static VI round(VF x) { return _mm256_cvtps_epi32(x); }
+  SDPA_BYTES_TARGET static VF toFloat(VI x) { return _mm256_cvtepi32_ps(x); }
+  SDPA_BYTES_TARGET static std::int32_t reduceAdd(VI x) {
     const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     const __m128i q = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
     return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
   }
   /// The low byte of each lane (its value in range), 8 bytes.
   template <bool Signed>
-  SDPA_Q4_TARGET static void bytes(void* p, VI x) {
+  SDPA_BYTES_TARGET static void bytes(void* p, VI x) {
     const __m256i w = _mm256_packs_epi32(x, x);  // 16-bit: lanes 0-3 twice, then 4-7 twice
     const __m256i b = Signed ? _mm256_packs_epi16(w, w) : _mm256_packus_epi16(w, w);
     const std::int32_t lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(b)),
@@ -875,39 +727,47 @@ struct Ops {
     std::memcpy(p, &lo, 4);
     std::memcpy(static_cast<char*>(p) + 4, &hi, 4);
   }
-  SDPA_Q4_TARGET static void storeBytes(std::int8_t* p, VI x) { bytes<true>(p, x); }
-  SDPA_Q4_TARGET static void storeBytesUnsigned(std::uint8_t* p, VI x) { bytes<false>(p, x); }
-  SDPA_Q4_TARGET static VI zero() { return _mm256_setzero_si256(); }
-  SDPA_Q4_TARGET static VI set1Int(std::int32_t x) { return _mm256_set1_epi32(x); }
-  SDPA_Q4_TARGET static VI addInt(VI a, VI b) { return _mm256_add_epi32(a, b); }
-  SDPA_Q4_TARGET static VI andInt(VI a, std::int32_t b) { return _mm256_and_si256(a, _mm256_set1_epi32(b)); }
-  SDPA_Q4_TARGET static VI shiftLeft7(VI x) { return _mm256_slli_epi32(x, 7); }
-  SDPA_Q4_TARGET static VI shiftLeft8(VI x) { return _mm256_slli_epi32(x, 8); }
-  SDPA_Q4_TARGET static VI shiftRight8(VI x) { return _mm256_srli_epi32(x, 8); }
-  SDPA_Q4_TARGET static VI shiftRightArithmetic7(VI x) { return _mm256_srai_epi32(x, 7); }
-  SDPA_Q4_TARGET static VI load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  SDPA_Q4_TARGET static VI loadLanes(const void* p, Index n) {
+  SDPA_BYTES_TARGET static void storeBytes(std::int8_t* p, VI x) { bytes<true>(p, x); }
+  SDPA_BYTES_TARGET static void storeBytesUnsigned(std::uint8_t* p, VI x) { bytes<false>(p, x); }
+  SDPA_BYTES_TARGET static VI zero() { return _mm256_setzero_si256(); }
+  SDPA_BYTES_TARGET static VI set1Int(std::int32_t x) { return _mm256_set1_epi32(x); }
+  SDPA_BYTES_TARGET static VI addInt(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  SDPA_BYTES_TARGET static VI andInt(VI a, std::int32_t b) { return _mm256_and_si256(a, _mm256_set1_epi32(b)); }
+  SDPA_BYTES_TARGET static VI shiftLeft7(VI x) { return _mm256_slli_epi32(x, 7); }
+  SDPA_BYTES_TARGET static VI shiftLeft8(VI x) { return _mm256_slli_epi32(x, 8); }
+  SDPA_BYTES_TARGET static VI shiftRight8(VI x) { return _mm256_srli_epi32(x, 8); }
+  template <int N>
+  SDPA_BYTES_TARGET static VI shiftLeft(VI x) {
+    return _mm256_slli_epi32(x, N);
+  }
+  template <int N>
+  SDPA_BYTES_TARGET static VI shiftRight(VI x) {
+    return _mm256_srli_epi32(x, N);
+  }
+  SDPA_BYTES_TARGET static VI shiftRightArithmetic7(VI x) { return _mm256_srai_epi32(x, 7); }
+  SDPA_BYTES_TARGET static VI load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  SDPA_BYTES_TARGET static VI loadLanes(const void* p, Index n) {
     return n == kLanes ? load(p) : _mm256_maskload_epi32(static_cast<const int*>(p), first(n));
   }
-  SDPA_Q4_TARGET static VI lowNibbles(VI x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
-  SDPA_Q4_TARGET static VI highNibbles(VI x) {
+  SDPA_BYTES_TARGET static VI lowNibbles(VI x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
+  SDPA_BYTES_TARGET static VI highNibbles(VI x) {
     return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
   }
-  SDPA_Q4_TARGET static VI minus8(VI x) { return _mm256_sub_epi8(x, _mm256_set1_epi8(8)); }
-  SDPA_Q4_TARGET static VI broadcast4(const void* p) {
+  SDPA_BYTES_TARGET static VI minus8(VI x) { return _mm256_sub_epi8(x, _mm256_set1_epi8(8)); }
+  SDPA_BYTES_TARGET static VI broadcast4(const void* p) {
     std::int32_t x;
     std::memcpy(&x, p, sizeof x);
     return _mm256_set1_epi32(x);
   }
-  SDPA_Q4_TARGET static VI dot(VI acc, VI a, VI b) {
+  SDPA_BYTES_TARGET static VI dot(VI acc, VI a, VI b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
   }
 };
 
-#include "kv_quant_q4.inc"
-#undef SDPA_Q4_TARGET
+#include "kv_quant_bytes.inc"
+#undef SDPA_BYTES_TARGET
 
-}  // namespace avx2::q4
+}  // namespace avx2::bytes
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -954,9 +814,9 @@ void logitsGroups(const float* const* a, Index R, const unsigned char* const* gr
   } else if constexpr (kNibbleQuads<F>) {
 #if SDPA_HAS_ISA_DISPATCH
     const int isa = intDotIsa();
-    if (isa == 2) return avx512::q4vnni::logits(a, R, groups, n, d, s, as);
-    if (isa == 1) return avx512::q4bw::logits(a, R, groups, n, d, s, as);
-    if (IsaChoice::current() >= Isa::Avx2) return avx2::q4::logits(a, R, groups, n, d, s, as);
+    if (isa == 2) return avx512::bytes_vnni::logits(a, R, groups, n, d, s, as);
+    if (isa == 1) return avx512::bytes_bw::logits(a, R, groups, n, d, s, as);
+    if (IsaChoice::current() >= Isa::Avx2) return avx2::bytes::logits(a, R, groups, n, d, s, as);
 #endif
     q4LogitsPortable(a, R, groups, n, d, s, as);
   } else {
@@ -964,29 +824,18 @@ void logitsGroups(const float* const* a, Index R, const unsigned char* const* gr
   }
 }
 
-/// The decoding weighted values over n groups (see above), on the CPU's fastest path. acc:
-/// scratch of 64 d floats.
+/// The decoding weighted values over n groups (see above), on the CPU's fastest path: integer
+/// dot products of the weights rounded to 16 bits and the codes.
 template <typename F>
 void valuesGroups(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
-                  float* const* dots, float* acc) {
-  if constexpr (kNibbleQuads<F>) {
+                  float* const* dots) {
 #if SDPA_HAS_ISA_DISPATCH
-    const int isa = intDotIsa();
-    if (isa == 2) return avx512::q4vnni::values(p, R, groups, n, d, dots);
-    if (isa == 1) return avx512::q4bw::values(p, R, groups, n, d, dots);
-    if (IsaChoice::current() >= Isa::Avx2) return avx2::q4::values(p, R, groups, n, d, dots);
+  const int isa = intDotIsa();
+  if (isa == 2) return avx512::bytes_vnni::values<F>(p, R, groups, n, d, dots);
+  if (isa == 1) return avx512::bytes_bw::values<F>(p, R, groups, n, d, dots);
+  if (IsaChoice::current() >= Isa::Avx2) return avx2::bytes::values<F>(p, R, groups, n, d, dots);
 #endif
-    q4ValuesPortable(p, R, groups, n, d, dots);
-    (void)acc;
-  } else {
-#if SDPA_HAS_ISA_DISPATCH
-    if (IsaChoice::current() >= Isa::Avx512) return avx512::valuesGroups<F>(p, R, groups, n, d, dots, acc);
-    if (IsaChoice::current() == Isa::Avx2) return avx2::valuesGroups<F>(p, R, groups, n, d, dots, acc);
-#else
-    (void)acc;
-#endif
-    valuesGroupsPortable<F>(p, R, groups, n, d, dots);
-  }
+  valuesGroupsPortable<F>(p, R, groups, n, d, dots);
 }
 
 }  // namespace internal::quant
