@@ -280,10 +280,10 @@ inline void logitsPairedPortable(const float* const* a, Index R, const unsigned 
 // - Values: a row's weights over a group, p_i in [0, 1], become P_i = round(p_i / ps),
 //   ps = max_i p_i / 65535, as two bytes 256 Ph_i + Pl_i (or, for q8 codes where a pair of
 //   products must stay within int16, vpmaddubsw's limit, three of 7, 7 and 2 bits); a channel's
-//   sum_i P_i code_ic is exact,
-//   and dots_c += (scale_gc ps) float(sum), one fused multiply-add per channel and group. Each P_i
-//   is off by at most ps / 2: an output (the dots over the weights' sum, which is at least the
-//   sum of the groups' largest weights) by at most max |v| / 4096.
+//   sum_i P_i code_ic is exact, and dots_c += (scale_gc ps) float(sum), one fused multiply-add
+//   per channel and group. Each P_i is off by at most ps / 2: an output (the dots over the
+//   weights' sum, which is at least the sum of the groups' largest weights) by at most
+//   max |v| / 4096.
 // Every path (AVX-512 with or without VNNI, AVX2, portable) computes the same integers and the
 // same float steps: the same bits. A row's NaN or inf weights make its logits (or dots) NaN.
 
