@@ -169,18 +169,22 @@ void quantiseGroup(const float* x, Index ldx, Index d, unsigned char* group) {
   }
 }
 
+/// The code of key i (< 32), channel c of a group.
+template <typename F, bool Keys = false>
+int codeAt(const unsigned char* group, Index d, Index i, Index c) {
+  const unsigned char byte = group[codeOffset<F, Keys>(d, i, c)];
+  if constexpr (F::Bits == 8)
+    return int(byte) - (byte >= 128 ? 256 : 0);  // the byte's two's-complement value
+  else
+    return (i < kGroup / 2 ? (byte & 0xF) : (byte >> 4)) - 8;
+}
+
 /// The value of key i (< 32), channel c of a group.
 template <typename F, bool Keys = false>
 float dequantised(const unsigned char* group, Index d, Index i, Index c) {
   std::uint16_t bits;
   std::memcpy(&bits, group + c * Index(sizeof bits), sizeof bits);
-  const unsigned char byte = group[codeOffset<F, Keys>(d, i, c)];
-  int code;
-  if constexpr (F::Bits == 8)
-    code = int(byte) - (byte >= 128 ? 256 : 0);  // the byte's two's-complement value
-  else
-    code = (i < kGroup / 2 ? (byte & 0xF) : (byte >> 4)) - 8;
-  return halfBits(bits) * float(code);
+  return halfBits(bits) * float(codeAt<F, Keys>(group, d, i, c));
 }
 
 /// Reads a group back into x (32 x d column-major, channel c at x + c ldx).
@@ -379,16 +383,6 @@ inline void q4LogitsPortable(const float* const* a, Index R, const unsigned char
   }
 }
 
-/// The code of key i (< 32), channel c of a group's values.
-template <typename F>
-std::int32_t valueCode(const unsigned char* group, Index d, Index i, Index c) {
-  const unsigned char byte = group[codeOffset<F, false>(d, i, c)];
-  if constexpr (F::Bits == 8)
-    return std::int32_t(static_cast<std::int8_t>(byte));
-  else
-    return std::int32_t(i < kGroup / 2 ? byte & 0xF : byte >> 4) - 8;
-}
-
 /// q8 and q4 values' dots, portable: the AVX-512 and AVX2 kernels' integers and float steps.
 template <typename F>
 void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* const* groups, Index n, Index d,
@@ -403,7 +397,7 @@ void valuesGroupsPortable(const float* const* p, Index R, const unsigned char* c
       for (Index c = 0; c < d; ++c) {
         std::int32_t sum = 0;
         for (Index i = 0; i < kGroup; ++i)
-          sum += (256 * std::int32_t(Ph[i]) + std::int32_t(Pl[i])) * valueCode<F>(groups[g], d, i, c);
+          sum += (256 * std::int32_t(Ph[i]) + std::int32_t(Pl[i])) * codeAt<F>(groups[g], d, i, c);
         dots[r][c] = std::fma(halfBits(scales[c]) * ps, float(sum), dots[r][c]);
       }
     }
