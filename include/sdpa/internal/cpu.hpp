@@ -50,7 +50,7 @@ inline bool amxUsable() {
 #endif
 }
 
-/// What this CPU runs: AVX-512 (F, with FMA; with BW, VL and BF16 the bf16 kernel too) or AVX2 +
+/// What this CPU runs: AVX-512 (F and DQ, with FMA; with BW, VL and BF16 the bf16 kernel too) or AVX2 +
 /// FMA, else the portable path.
 inline Isa detectIsa() {
 #if SDPA_HAS_ISA_DISPATCH
@@ -58,7 +58,8 @@ inline Isa detectIsa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"))
     return amxUsable() ? Isa::Amx : Isa::Avx512Bf16;
-  if (__builtin_cpu_supports("avx512f")) return Isa::Avx512;
+  // DQ: the fp32 tile kernels' exp2 splits with vreduceps. Every AVX-512 CPU but Xeon Phi has it.
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return Isa::Avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
 #endif
   return Isa::Portable;
