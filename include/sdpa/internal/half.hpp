@@ -257,33 +257,57 @@ SDPA_HALF_TARGET void axpyRows(const float* const* a, const H* x, Index stride, 
       for (int m = 0; m < Rows; ++m) y[m][i] = std::fma(a[m][c], float(x[c * stride + i]), y[m][i]);
 }
 
-/// dot for Rows rows at once, a column at a time: out[m][c] = sum_i p[m][offset + i] x_c[i] for
-/// the d columns, each packet of x widened once for every row, the next two columns' runs
-/// requested as this one is read (as avx2::dotRows). Each dot is dot's, to the bit.
+/**
+ * dot for Rows rows and Cols columns at once: out[m][c0 + c] = sum_i p[m][offset + i] x_c[i], each
+ * packet of x widened once for every row and each packet of p loaded once for every column, the
+ * next pass's Cols columns requested as these are read (as avx2::dotRows). A (row, column) dot is
+ * one chain of 2 FMAs a 32-key block: Rows Cols chains keep the two FMA units busy from 8 on
+ * (4 rows a column at a time, a GQA group's, left half of their issue slots idle waiting on the
+ * chains). Each dot is dot's, to the bit.
+ */
+template <int Rows, int Cols, typename H>
+SDPA_HALF_TARGET void dotRowsPass(const float* const* p, Index offset, const H* x, Index stride, Index c0, Index d,
+                                  Index n, float* const* out) {
+  const H* xc[Cols];
+  for (int c = 0; c < Cols; ++c) xc[c] = x + (c0 + c) * stride;
+  // The next pass's columns, or the two after a last single column (there are d - c0 - Cols).
+  const Index next = std::min<Index>(Cols == 1 ? 2 : Cols, d - c0 - Cols);
+  __m512 acc[Rows][Cols];
+  for (int m = 0; m < Rows; ++m)
+    for (int c = 0; c < Cols; ++c) acc[m][c] = _mm512_setzero_ps();
+  Index i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (Index k = 0; k < next; ++k)  // 32 keys: one line
+      _mm_prefetch(reinterpret_cast<const char*>(xc[0] + (Cols + k) * stride + i), _MM_HINT_T0);
+    __m512 x0[Cols], x1[Cols];
+    for (int c = 0; c < Cols; ++c) {
+      x0[c] = widen(xc[c] + i);
+      x1[c] = widen(xc[c] + i + 16);
+    }
+    for (int m = 0; m < Rows; ++m) {
+      const float* pm = p[m] + offset + i;
+      const __m512 p0 = _mm512_loadu_ps(pm), p1 = _mm512_loadu_ps(pm + 16);
+      for (int c = 0; c < Cols; ++c) acc[m][c] = _mm512_fmadd_ps(p1, x1[c], _mm512_fmadd_ps(p0, x0[c], acc[m][c]));
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int c = 0; c < Cols; ++c) {
+      float sum = laneSum(acc[m][c]);
+      for (Index t = i; t < n; ++t) sum = std::fma(p[m][offset + t], float(xc[c][t]), sum);
+      out[m][c0 + c] = sum;
+    }
+}
+
+/// out[m][c] = sum_i p[m][offset + i] x_c[i] for Rows rows and the d columns: passes of
+/// dotRowsPass over at least 8 chains, the last columns one at a time.
 template <int Rows, typename H>
 SDPA_HALF_TARGET void dotRows(const float* const* p, Index offset, const H* x, Index stride, Index d, Index n,
                               float* const* out) {
-  for (Index c = 0; c < d; ++c) {
-    const H* xc = x + c * stride;
-    const Index next = std::min<Index>(2, d - 1 - c);
-    __m512 acc[Rows];
-    for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
-    Index i = 0;
-    for (; i + 32 <= n; i += 32) {
-      for (Index k = 1; k <= next; ++k)  // 32 keys: one line
-        _mm_prefetch(reinterpret_cast<const char*>(xc + k * stride + i), _MM_HINT_T0);
-      const __m512 x0 = widen(xc + i), x1 = widen(xc + i + 16);
-      for (int m = 0; m < Rows; ++m) {
-        const float* pm = p[m] + offset + i;
-        acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(pm + 16), x1, _mm512_fmadd_ps(_mm512_loadu_ps(pm), x0, acc[m]));
-      }
-    }
-    for (int m = 0; m < Rows; ++m) {
-      float sum = laneSum(acc[m]);
-      for (Index t = i; t < n; ++t) sum = std::fma(p[m][offset + t], float(xc[t]), sum);
-      out[m][c] = sum;
-    }
-  }
+  constexpr int Cols = (8 + Rows - 1) / Rows;
+  Index c = 0;
+  if constexpr (Cols > 1)
+    for (; c + Cols <= d; c += Cols) dotRowsPass<Rows, Cols>(p, offset, x, stride, c, d, n, out);
+  for (; c < d; ++c) dotRowsPass<Rows, 1>(p, offset, x, stride, c, d, n, out);
 }
 #undef SDPA_HALF_TARGET
 }  // namespace avx512
