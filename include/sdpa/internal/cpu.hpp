@@ -50,8 +50,8 @@ inline bool amxUsable() {
 #endif
 }
 
-/// What this CPU runs: AVX-512 (F and DQ, with FMA; with BW, VL and BF16 the bf16 kernel too) or AVX2 +
-/// FMA, else the portable path.
+/// What this CPU runs: AVX-512 (F and DQ, with FMA; with BW, VL and BF16 the bf16 kernel too)
+/// or AVX2 + FMA, else the portable path.
 inline Isa detectIsa() {
 #if SDPA_HAS_ISA_DISPATCH
   __builtin_cpu_init();

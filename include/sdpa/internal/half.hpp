@@ -270,7 +270,7 @@ SDPA_HALF_TARGET void dotRowsPass(const float* const* p, Index offset, const H* 
                                   Index n, float* const* out) {
   const H* xc[Cols];
   for (int c = 0; c < Cols; ++c) xc[c] = x + (c0 + c) * stride;
-  // The next pass's columns, or the two after a last single column (there are d - c0 - Cols).
+  // Requested ahead: the next pass's columns (of the d - c0 - Cols left), 2 after a single one.
   const Index next = std::min<Index>(std::max(Cols, 2), d - c0 - Cols);
   __m512 acc[Rows][Cols];
   for (int m = 0; m < Rows; ++m)
