@@ -137,8 +137,8 @@ TEMPLATE_TEST_CASE("attentionForwardInto allocates nothing after the first call,
   using T = TestType;
   const OneThread one;
   const auto causal = sdpa::mask::Causal{Align::LowerRight};
-  for (const Shape& s :
-       {Shape{1, 5000, 64, 64}, Shape{3, 20000, 32, 16}, Shape{300, 300, 64, 64}, Shape{129, 700, 16, 24}}) {
+  for (const Shape& s : {Shape{1, 5000, 64, 64}, Shape{3, 20000, 32, 16}, Shape{16, 3000, 64, 40},
+                         Shape{300, 300, 64, 64}, Shape{129, 700, 16, 24}}) {
     INFO(toString(s));
     const Mat<T> q = randn<T>(s.nQ, s.dK, 1), k = randn<T>(s.nK, s.dK, 2), v = randn<T>(s.nK, s.dV, 3);
     Mat<T> out(s.nQ, s.dV);

@@ -96,6 +96,40 @@ TEST_CASE("a million keys for one query, decoding and naive, against the oracle"
   });
 }
 
+TEST_CASE("multi-token decoding: 5 to 16 query rows against many keys, each row bitwise alone, every ISA",
+          "[tiled][decode]") {
+  // Up to 16 float query rows against at least 4 keys a row take the decoding path (speculative
+  // or multi-token decoding; forward_tiled.hpp's decodes), whose wide register blocks take 8
+  // rows at a time: every row's arithmetic is its own, so each row equals the one-row call, bit
+  // for bit, and the rows and masks that differ by row (causal, sliding window, ALiBi) meet the
+  // oracle. 13 rows: a wide block and a narrow pass; n_k 2011: tails past every vector width.
+  const Index nK = 2011, dK = 64, dV = 40;
+  const Mat<float> k = randn<float>(nK, dK, 82), v = randn<float>(nK, dV, 83);
+  const long double tau = 1.0L / std::sqrt((long double)dK);
+  for (const Index nQ : {5, 8, 13, 16}) {
+    INFO("n_q " << nQ);
+    const Mat<float> q = randn<float>(nQ, dK, 81, 2.0);
+    forEachIsa([&](Isa) {
+      const auto all = sdpa::attentionForward(q, k, v, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
+      for (Index i = 0; i < nQ; ++i) {
+        const Mat<float> qi = q.row(i);
+        const auto one = sdpa::attentionForward(qi, k, v, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
+        CHECK(Mat<float>(all.output.row(i)) == one.output);
+        CHECK(all.logSumExp(i) == one.logSumExp(0));
+      }
+    });
+    const Index offset = nK - nQ;  // LowerRight: query i sits at key i + n_k - n_q
+    checkForward<float>(
+        q, k, v, scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
+        [=](Index i, Index j) { return j <= i + offset; }, noBias());
+    checkForward<float>(
+        q, k, v, scale::InvSqrtDk{},
+        mask::combine(mask::SlidingWindow{300, 0, Align::LowerRight}, mask::Alibi{{0.0625}, Align::LowerRight}), tau,
+        [=](Index i, Index j) { return j <= i + offset && j >= i + offset - 300; },
+        [=](Index i, Index j) { return -0.0625L * std::abs((long double)(i + offset - j)); });
+  }
+}
+
 TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matches the oracle", "[tiled][decode]") {
   // A few rows against many keys take the decoding kernel, whose tau > 1 multiplies the logits
   // after the product (foldsScaleIntoQuery); prefill tests do not reach that line.
@@ -106,13 +140,15 @@ TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matc
 TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within the float dot-product bound",
           "[decode][isa]") {
   // decode_rows.hpp's kernels are built for AVX-512, AVX2 and the build's own ISA and chosen at
-  // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-9 (passes
-  // of 4, 3, 2, 1), d 37 and 8 (a short column block), n 1037 (a tail past every vector width).
+  // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-5 (passes
+  // of 4, 3, 2, 1), 9 and 16 (wide blocks of 8 logit rows and 6 value rows where the ISA has 32
+  // registers, then passes of at most 4), d 37 and 8 (a short column block), n 1037 (a tail past
+  // every vector width).
   std::mt19937_64 gen(41);
   std::normal_distribution<float> normal;
   const Index n = 1037;
   for (const Index d : {37, 8}) {
-    for (const Index R : {1, 2, 3, 4, 5, 9}) {
+    for (const Index R : {1, 2, 3, 4, 5, 9, 16}) {
       INFO("d " << d << ", rows " << R);
       std::vector<float> a(size_t(R * d)), k(size_t(n * d)), p(size_t(R * n)), v(size_t(n * d));
       for (auto* x : {&a, &k, &p, &v})
@@ -140,10 +176,16 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
         // The logits: one multiply-add per column in column order, the same bits whichever rows
         // share a pass (row 0 alone gives row 0's bits), and on AVX2 as on AVX-512 (fused; the
         // portable build's SSE2 rounds the product first).
-        std::vector<float> alone(static_cast<size_t>(n), 0.0f);
-        float* aloneRow = alone.data();
-        sdpa::internal::decodeLogitsRows(rowsA.data(), 1, k.data(), n, d, n, &aloneRow);
-        CHECK(std::equal(alone.begin(), alone.end(), s.begin()));
+        // So are the dots, for the first and the last row (a wide block's and a narrow pass's).
+        for (const Index r : {Index(0), R - 1}) {
+          std::vector<float> alone(static_cast<size_t>(n), 0.0f), aloneDots(static_cast<size_t>(d));
+          float* aloneRow = alone.data();
+          float* aloneDot = aloneDots.data();
+          sdpa::internal::decodeLogitsRows(rowsA.data() + r, 1, k.data(), n, d, n, &aloneRow);
+          sdpa::internal::decodeValuesRows(rowsP.data() + r, 1, v.data(), n, d, n, &aloneDot);
+          CHECK(std::equal(alone.begin(), alone.end(), s.begin() + r * n));
+          CHECK(std::equal(aloneDots.begin(), aloneDots.end(), dots.begin() + r * d));
+        }
         if (isa != Isa::Portable) {
           if (first.empty()) first = s;
           CHECK(s == first);

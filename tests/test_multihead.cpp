@@ -298,14 +298,15 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
   const int saved = Eigen::nbThreads();
   // Splits of one chunk (d 16: 4 splits of 1250 keys) and of several (d 128: 8 splits of over
   // 1024 keys, in chunks of 1024 float, 512 double keys); groups of 2 (GQA) and 3 (MQA), and MHA;
-  // one query row and three. (d 128 takes 25x the time of d 16 under the sanitizers: there GQA
-  // and MQA with three rows, whose every row is a decoding row of the same unit, on two threads:
-  // the splits are the same on one.)
+  // one query row, three and twelve (a group's rows in the wide register blocks of multi-token
+  // decoding). (d 128 takes 25x the time of d 16 under the sanitizers: there GQA and MQA with
+  // three rows, whose every row is a decoding row of the same unit, on two threads: the splits
+  // are the same on one.)
   for (const auto& [dK, dV, nK] : {std::array<Index, 3>{16, 8, 5000}, {128, 128, 8700}})
     for (const auto& [H, hKv] : {std::pair<Index, Index>{4, 2}, {3, 1}, {2, 2}})
-      for (const Index nQ : {Index(1), Index(3)})
+      for (const Index nQ : {Index(1), Index(3), Index(12)})
         for (const int threads : {1, 2}) {
-          if (dK == 128 && (H == hKv || nQ == 1 || threads == 1)) continue;
+          if (dK == 128 && (H == hKv || nQ != 3 || threads == 1)) continue;
           INFO("d " << dK << ", n_k " << nK << ", Heads{" << H << ", " << hKv << "}, n_q " << nQ << ", " << threads
                     << " threads");
           Eigen::setNbThreads(threads);

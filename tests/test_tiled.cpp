@@ -89,19 +89,24 @@ TEST_CASE("1 and 2 threads give bitwise identical forward results, on every ISA 
                      v = randn<float>(2000, Hkv * dK, 13);
     const auto layout = sdpa::BatchLayout::varlen({0, 100, 300}, {0, 900, 2000});
     const auto m = mask::Causal{Align::LowerRight};
-    sdpa::MultiHeadForwardResult<float> one, two, decodeOne, decodeTwo;
+    // Decoding: one query row, and 16 (multi-token decoding, in wide register blocks).
+    sdpa::MultiHeadForwardResult<float> one, two, decodeOne, decodeTwo, rowsOne, rowsTwo;
     withThreads(1, [&] {
       one = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
       decodeOne = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+      rowsOne = sdpa::multiHeadAttentionForward(q.topRows(16), k, v, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
     });
     withThreads(2, [&] {
       two = sdpa::batchedAttentionForward(q, k, v, layout, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
       decodeTwo = sdpa::multiHeadAttentionForward(q.topRows(1), k, v, sdpa::Heads{H, Hkv});
+      rowsTwo = sdpa::multiHeadAttentionForward(q.topRows(16), k, v, sdpa::Heads{H, Hkv}, sdpa::scale::InvSqrtDk{}, m);
     });
     CHECK(one.output == two.output);
     CHECK(one.logSumExp == two.logSumExp);
     CHECK(decodeOne.output == decodeTwo.output);
     CHECK(decodeOne.logSumExp == decodeTwo.logSumExp);
+    CHECK(rowsOne.output == rowsTwo.output);
+    CHECK(rowsOne.logSumExp == rowsTwo.logSumExp);
     // One group of query heads over one kv head, 37 rows each: a decoding group would be run
     // together on one thread and apart on two.
     const Mat<float> qg = randn<float>(37, H * dK, 17);

@@ -3,9 +3,10 @@
 
 // Decoding's row kernels: a few query rows (at most 4 per pass: one head, a GQA group's heads, a
 // few tokens) against keys stored column by column (key j, channel c at j + c ld), each column
-// block loaded once for all the rows. Both decoding paths use them: over plain matrices
-// (forward_tiled.hpp's streamDecode) and over a KvCache's pieces (decode_cache.hpp, which adds
-// its wider multi-row blocks and its span-wise values).
+// block loaded once for all the rows; from 8 rows on, wide register blocks (decode_cache_isa.inc,
+// built here too). Both decoding paths use them: over plain matrices (forward_tiled.hpp's
+// streamDecode) and over a KvCache's pieces (decode_cache.hpp, which adds its span-wise values
+// and its short pieces).
 //
 // Every kernel is built once per instruction set (decode_rows_isa.inc, decode_cache_isa.inc):
 // AVX-512 and AVX2 + FMA through the target attribute, chosen at run time by IsaChoice as the
@@ -17,6 +18,7 @@
 #include <cmath>
 
 #include "cpu.hpp"
+#include "decode_pieces.hpp"
 #include "half.hpp"
 #include "macros.hpp"
 
@@ -127,6 +129,11 @@ SDPA_DECODE_TARGET inline void vkeep(V& x) { __asm__("" : "+x"(x)); }
 #define SDPA_DECODE_KERNELS "decode_rows_isa.inc"
 #include "decode_instances.inc"
 #undef SDPA_DECODE_KERNELS
+// The wide multi-row blocks and the KvCache's kernels over pieces and spans, which use the row
+// kernels above.
+#define SDPA_DECODE_KERNELS "decode_cache_isa.inc"
+#include "decode_instances.inc"
+#undef SDPA_DECODE_KERNELS
 
 }  // namespace sdpa::internal::decode_simd
 
@@ -152,24 +159,26 @@ void withDecodeSimd(F&& f) {
  * Decoding's logits for R query rows over n keys of column-major float k (column stride ldk):
  * s[r][j] += sum_c a[r][c] k[j + c ldk], by one fused multiply-add per column in the order
  * c = 0..d-1 for every (row, key), whatever R and whichever rows share a pass. So a query head's
- * logits are the same computed alone or beside the other heads of its GQA group, which then
- * read each block of k once for up to four rows: a column block (8 columns) of a packet of keys
- * is loaded once, each row's partial sums stay in a register across it.
+ * logits are the same computed alone or beside the other heads of its GQA group (or the other
+ * tokens of multi-token decoding), which then read each block of k once for up to four rows, or
+ * eight in the wide blocks (matrixLogits): a column block (8 columns) of a packet of keys is
+ * loaded once, each row's partial sums stay in a register across it.
  */
 inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Index ldk, Index d, Index n,
                              float* const* s) {
-  withDecodeSimd([&](auto simd) { logitsRows(simd, a, R, k, ldk, d, n, s); });
+  withDecodeSimd([&](auto simd) { matrixLogits(simd, a, R, k, ldk, d, n, s); });
 }
 
 /**
  * Decoding's weighted values for R rows of weights p over n keys of column-major float v (column
  * stride ldv): dots[r][c] = sum_j p[r][j] v[j + c ldv], each a packet of partial sums over the
  * keys in order, reduced, then the last keys one by one: whatever R, as decodeLogitsRows. A
- * packet of each of four columns is loaded once for up to four rows.
+ * packet of each of four columns is loaded once for up to four rows, or six in the wide blocks
+ * (matrixValues).
  */
 inline void decodeValuesRows(const float* const* p, Index R, const float* v, Index ldv, Index dV, Index n,
                              float* const* dots) {
-  withDecodeSimd([&](auto simd) { valuesRows(simd, p, R, v, ldv, dV, n, dots); });
+  withDecodeSimd([&](auto simd) { matrixValues(simd, p, R, v, ldv, dV, n, dots); });
 }
 
 }  // namespace sdpa::internal

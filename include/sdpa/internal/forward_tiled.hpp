@@ -158,7 +158,7 @@ struct forward_tiled_impl {
   };
 
   /**
-   * stream's decoding (bq <= kDecodeRows rows) over keys [kBegin, kEnd) for float k and v in
+   * stream's decoding (decodes: a few rows) over keys [kBegin, kEnd) for float k and v in
    * column-major storage, for `count` query heads with the same rows [i0, i0 + bq) of one item
    * that read the same k and v (a GQA group, or one head): each chunk's products for all their
    * rows at once (decodeLogitsRows, decodeValuesRows: each column block of k and v loaded once
@@ -296,7 +296,7 @@ struct forward_tiled_impl {
                      Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
                      bool resume = false, RowStream* stats = nullptr) {
     if constexpr (std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous) {
-      if (bq <= kDecodeRows) {  // float decoding: the GQA group's kernel, on one head
+      if (decodes<DK, DV>(bq, k.rows())) {  // float decoding: the GQA group's kernel, on one head
         const Member<DQ> one{q.derived(), tau, head, row0, col0, &state, stats};
         streamDecode(&one, 1, k, v, mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
         return;
@@ -401,8 +401,30 @@ struct forward_tiled_impl {
   /// Key rows per block of row-major half storage converted for decoding (64 KiB of floats at
   /// d = 128: in L2 beside the chunk).
   static constexpr Index kRowBlock = 128;
-  /// Query blocks of at most this many rows take the decoding path.
+  /// Query blocks of at most this many rows take the decoding path (and more: decodes).
   static constexpr Index kDecodeRows = 4;
+  /// Query blocks of up to this many rows take it for float k and v stored by columns, against
+  /// at least kManyKeys keys a row.
+  static constexpr Index kWideDecodeRows = 16, kManyKeys = 4;
+
+  /**
+   * Whether a block of `rows` query rows against nK keys takes the decoding path, for k and v of
+   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode) up to
+   * kWideDecodeRows where the keys outnumber the rows kManyKeys times (multi-token or
+   * speculative decoding, a chunk of a long prompt). streamDecode reads each chunk of k and v
+   * once for all the rows, in wide register blocks from 8 rows on; the prefill kernel packs all
+   * of k and v for each query block, scans k for its bounds and runs a block on one thread.
+   * bench_decode's BM_DecodeQueryRows (d 128, causal, 65536 keys; session 35): one thread, 16
+   * rows 11.8-12.6 ms there against 6.1-6.2 here, 5 rows 11.2-12.8 against 3.5; two threads
+   * 11.7-12.8 against 2.9-3.2 and 12.0-12.2 against 1.7. Where the keys are few it loses: a
+   * batch of 16 items of 8 heads (d 128), 16 rows against 32 keys, 1.41 ms there, 1.69 here;
+   * 8 rows against 32 keys still gained (1.29 -> 0.94).
+   */
+  template <typename DK, typename DV>
+  static constexpr bool decodes(Index rows, Index nK) {
+    constexpr bool kWide = std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous;
+    return rows <= kDecodeRows || (kWide && rows <= kWideDecodeRows && nK >= kManyKeys * rows);
+  }
   /// Keys per decoding chunk: k and v of a chunk take about 1 MiB (within L2), so that the
   /// query heads of a GQA group that run a chunk in turn read it from L2; 256 to 16384 keys, a
   /// multiple of 64. The chunks start at the key range's first key, whoever runs them.
@@ -442,12 +464,12 @@ struct Identity {
   using type = T;
 };
 
-/// Key splits of a work unit of `rows` query rows against nK keys: only decoding units (a few
-/// rows) with many keys are split, and by their own shape alone, so that a head's result does
+/// Key splits of a work unit against nK keys: only decoding units (`decoding`: a few query rows)
+/// with many keys are split, and by their own shape alone, so that a head's result does
 /// not depend on the thread count, the other heads or the other batch items (bitwise).
-inline Index keySplits(Index rows, Index nK, Index tileK) {
-  constexpr Index kDecodeRows = 4, kMaxSplits = 8, kMinTilesPerSplit = 4;
-  if (rows > kDecodeRows) return 1;
+inline Index keySplits(bool decoding, Index nK, Index tileK) {
+  constexpr Index kMaxSplits = 8, kMinTilesPerSplit = 4;
+  if (!decoding) return 1;
   return std::clamp<Index>(nK / (kMinTilesPerSplit * tileK), 1, kMaxSplits);
 }
 
@@ -473,6 +495,9 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
                   RowStats* const* stats = nullptr) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
+  // Whether a block of `rows` rows against nK keys is decoding (the decoding path, which splits
+  // its keys; a prefill block is a unit of its own).
+  const auto decodes = [](Index rows, Index nK) { return Impl::template decodes<KView, VView>(rows, nK); };
   constexpr bool kColumnMajor =
       std::is_same_v<QView, ConstRef<In>> && std::is_same_v<KView, ConstRef<In>> && std::is_same_v<VView, ConstRef<In>>;
   if constexpr (!kColumnMajor) {
@@ -537,11 +562,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
   const bool useBf16 =
       kHalf && useFast && kernel.products == kernel::Products::Bf16 && IsaChoice::current() >= Isa::Avx512Bf16;
   const bool useAmx = useBf16 && IsaChoice::current() == Isa::Amx;
-  // Items of more than kDecodeRows queries run every query block on the fast kernel, the last
-  // short one too (with Products::Bf16, every row of the item then has bf16 products); items of
-  // fewer are decoding, split over key ranges.
+  // Items of more queries than decoding takes (decodes) run every query block on the fast
+  // kernel, the last short one too (with Products::Bf16, every row of the item then has bf16
+  // products); the others are decoding, split over key ranges.
   const auto prefill = [&](const ItemHead& u) {
-    return useFast && u.nQ > Impl::kDecodeRows && !(stats && float(taus.tau(u.head)) == 0.0f);
+    return useFast && !decodes(u.nQ, u.nK) && !(stats && float(taus.tau(u.head)) == 0.0f);
   };
   const int threads = maxThreads();
   // The fp32 products' own block sizes, for prefill: the kernel takes a tile one lane group at a
@@ -602,7 +627,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     const Index bq = fastPair ? fastTile.q : tile.q;
     for (Index i0 = 0; i0 < pairs[size_t(p)].nQ; i0 += bq) {
       const Index rows = std::min(bq, pairs[size_t(p)].nQ - i0);
-      const Index splits = fastPair ? 1 : keySplits(rows, pairs[size_t(p)].nK, tile.k);
+      const Index splits = fastPair ? 1 : keySplits(decodes(rows, pairs[size_t(p)].nK), pairs[size_t(p)].nK, tile.k);
       units.push_back({p, i0, rows, splits, parts});
       parts += splits;
     }
@@ -751,7 +776,10 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     // (Decoding: a few rows, which stream() alone also takes to streamDecode. On the portable
     // path a prefill unit is not `prefill` either, and grouped it would take streamDecode's
     // arithmetic instead of its own: other bits with a sink, or with another thread count.)
-    const auto decoding = [&](const Unit& w) { return !prefill(pairs[size_t(w.pair)]) && w.rows <= Impl::kDecodeRows; };
+    const auto decoding = [&](const Unit& w) {
+      const ItemHead& u = pairs[size_t(w.pair)];
+      return !prefill(u) && decodes(w.rows, u.nK);
+    };
     for (Index i = 0; i < Index(units.size()); ++i) {
       const ItemHead& u = pairs[size_t(units[size_t(i)].pair)];
       const bool joins = i > 0 && decoding(units[size_t(i)]) && [&] {
