@@ -478,13 +478,16 @@ void runForward(const char* what, const Kernel& kern, const Case& c) {
 /// Half-precision inputs (H) on the tiled kernel's fast path (Products::Fp32: k and v converted
 /// to float once per call): bitwise the float kernel on the converted inputs, every policy and
 /// mask, for every row of a call of more than 4 query rows (at most 4 is decoding, where half
-/// K/V are read in place).
+/// K/V are read in place) that the float call also takes to the fast kernel (up to 16 float rows
+/// against 4 keys a row or more are decoding too).
 template <typename H>
 void runHalfForward(const char* what, const sdpa::kernel::Tiled& kern, const Case& c) {
   const Mat<H> q = c.q.cast<float>().cast<H>(), k = c.k.cast<float>().cast<H>(), v = c.v.cast<float>().cast<H>();
   const Mat<float> qF = q.template cast<float>(), kF = k.template cast<float>(), vF = v.template cast<float>();
   const Mat<float> bias = c.bias.cast<float>();
-  const Index rows = c.nQ > 4 ? c.nQ : 0;
+  using FloatRef = sdpa::internal::ConstRef<float>;
+  const bool floatDecodes = sdpa::internal::forward_tiled_impl<float>::decodes<FloatRef, FloatRef>(c.nQ, c.nK);
+  const Index rows = c.nQ > 4 && !floatDecodes ? c.nQ : 0;
   withPolicies<float>(c, bias, [&](const auto& scale, const auto& mask, const VisibleFn&, const BiasFn&, long double) {
     const auto h = sdpa::attentionForward<float>(kern, q, k, v, scale, mask);
     const auto f = sdpa::attentionForward(kern, qF, kF, vF, scale, mask);
