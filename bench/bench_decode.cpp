@@ -131,17 +131,19 @@ std::map<std::vector<Index>, double>& oneRowSeconds() {
   return m;
 }
 
-/// Multi-token (speculative) decoding over plain matrices: n_q query rows against n_k keys
+/// Multi-token (speculative) decoding over plain matrices of T: n_q query rows against n_k keys
 /// (d 128, causal LowerRight), up to 16 rows on the decoding path, 17 on the prefill kernel.
 /// "GFLOPS" counts 4 n_q n_k d; "xOneRow" is the call's time over the one-row call's of the same
 /// keys in the same run (issue #19 asks at most 1.5 at 16 rows, for the KvCache's kernel:
 /// bench_kv_cache's BM_CacheQueryRows). args: n_k, n_q, threads
+template <typename T>
 void BM_DecodeQueryRows(benchmark::State& state) {
   const Index nK = state.range(0), nQ = state.range(1), d = 128;
   sdpa_bench::setThreads(int(state.range(2)));
   std::srand(7);
-  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(nQ, d), k = Eigen::MatrixXf::Random(nK, d),
-                        v = Eigen::MatrixXf::Random(nK, d);
+  using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  const M q = Eigen::MatrixXf::Random(nQ, d).cast<T>(), k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
+          v = Eigen::MatrixXf::Random(nK, d).cast<T>();
   Eigen::MatrixXf out(nQ, d);
   Eigen::VectorXf lse(nQ);
   const auto causal = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
@@ -154,7 +156,7 @@ void BM_DecodeQueryRows(benchmark::State& state) {
   if (state.iterations() == 0) return;
   const double perCall = timer.seconds() / double(state.iterations());
   state.counters["GFLOPS"] = 4.0 * double(nQ) * double(nK) * double(d) / perCall * 1e-9;
-  const std::vector<Index> key{nK, state.range(2)};
+  const std::vector<Index> key{nK, state.range(2), Index(sizeof(T))};
   if (nQ == 1)
     oneRowSeconds()[key] = perCall;
   else if (auto it = oneRowSeconds().find(key); it != oneRowSeconds().end())
@@ -201,9 +203,14 @@ BENCHMARK(BM_DecodeHeads)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-BENCHMARK(BM_DecodeQueryRows)
+BENCHMARK(BM_DecodeQueryRows<float>)
     ->ArgNames({"nk", "nq", "threads"})
     ->ArgsProduct({{4096, 65536}, {1, 4, 5, 8, 12, 16, 17}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeQueryRows<Eigen::half>)
+    ->ArgNames({"nk", "nq", "threads"})
+    ->ArgsProduct({{65536}, {1, 4, 5, 8, 16, 17}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

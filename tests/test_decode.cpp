@@ -78,6 +78,42 @@ TEMPLATE_TEST_CASE("decoding over half storage: a few queries against a long fp1
   }
 }
 
+TEMPLATE_TEST_CASE("multi-token decoding over half storage: 5 to 16 rows, each bitwise alone, every ISA",
+                   "[tiled][half][decode]", Eigen::half, Eigen::bfloat16) {
+  // Half K/V stored by columns decode up to 16 query rows against at least 4 keys a row where
+  // the CPU has the column kernels (AVX2, AVX-512; the portable path prefills from 5 rows): each
+  // packet widened once for several rows (axpyAllRows, dotAllRows), every row the bits of its
+  // one-row call, and within the float rule of the oracle on the exactly converted inputs.
+  using H = TestType;
+  const Index nK = 3001, dK = 64, dV = 24;
+  const Mat<H> k = randn<float>(nK, dK, 92).template cast<H>(), v = randn<float>(nK, dV, 93).template cast<H>();
+  const auto causal = mask::Causal{Align::LowerRight};
+  for (const Index nQ : {5, 8, 13, 16}) {
+    INFO("n_q " << nQ);
+    const Mat<H> q = randn<float>(nQ, dK, 91).template cast<H>();
+    const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
+    const Index offset = nK - nQ;
+    const auto visible = [=](Index i, Index j) { return j <= i + offset; };
+    const long double tau = 1.0L / std::sqrt((long double)dK);
+    const auto gold = referenceAttention<long double>(qd, kd, vd, tau, visible);
+    const auto naive = referenceAttention<float>(qd, kd, vd, tau, visible);
+    const Mat<double> goldOut = gold.output.template cast<double>();
+    forEachIsa([&](Isa isa) {
+      const auto all = sdpa::attentionForward<float>(q, k, v, scale::InvSqrtDk{}, causal);
+      CHECK(maxAbsDiff(all.output, goldOut) <=
+            errorBound<float>(maxAbsDiff(naive.output, goldOut), goldOut.cwiseAbs().maxCoeff()));
+      if (isa == Isa::Portable) return;  // (the prefill kernel's rows, other bits than decoding's)
+      for (Index i = 0; i < nQ; ++i) {
+        // Row i alone against the keys it sees under the causal mask: the same keys, chunks and splits.
+        const Mat<H> qi = q.row(i);
+        const auto one = sdpa::attentionForward<float>(qi, k, v, scale::InvSqrtDk{}, mask::KeyLength{i + offset + 1});
+        CHECK(Mat<float>(all.output.row(i)) == one.output);
+        CHECK(all.logSumExp(i) == one.logSumExp(0));
+      }
+    });
+  }
+}
+
 TEST_CASE("a million keys for one query, decoding and naive, against the oracle", "[extreme][decode]") {
   const Index nK = 1000000;
   const Mat<float> q = randn<float>(1, 16, 16), k = randn<float>(nK, 16, 17), v = randn<float>(nK, 8, 18);

@@ -508,8 +508,10 @@ void runHalfForward(const char* what, const sdpa::kernel::Tiled& kern, const Cas
  * (d_k + 2) 2^-126 |tau| in a logit, which moves the output by at most 4 times that times max|v|.
  */
 void runBf16Products(const char* what, const sdpa::kernel::Tiled& tiled, const Case& c) {
-  if (c.nQ <= 4) return;  // decoding: fp32 products on the bf16 values in place (runHalfForward's rows)
   using B = Eigen::bfloat16;
+  // Decoding: fp32 products on the bf16 values in place (runHalfForward's rows).
+  using BRef = sdpa::internal::ConstRef<B>;
+  if (sdpa::internal::forward_tiled_impl<B>::decodes<BRef, BRef>(c.nQ, c.nK)) return;
   const sdpa::kernel::Tiled kern{tiled.blockQ, tiled.blockK, sdpa::kernel::Products::Bf16};
   const Mat<B> q = c.q.cast<float>().cast<B>(), k = c.k.cast<float>().cast<B>(), v = c.v.cast<float>().cast<B>();
   const auto seen = [](const Mat<B>& x) {

@@ -311,7 +311,7 @@ struct forward_tiled_impl {
     // Decoding (a few query rows): chunks of many keys, the products written column by column
     // so that each column of k and v streams contiguously from memory (a b_k x d tile would
     // read d short segments d_k pages apart) and half storage converts in registers.
-    const bool decode = bq <= kDecodeRows;
+    const bool decode = decodes<DK, DV>(bq, nK);
     const Index chunk = decode ? decodeKeys(dK, dV) : bk;
     // Half storage's decoding column kernels (AVX2 or AVX-512), or None: convert column by column.
     const half_columns::Path halfPath = IsHalfScalar<In> ? half_columns::path() : half_columns::Path::None;
@@ -333,9 +333,16 @@ struct forward_tiled_impl {
         } else if constexpr (IsHalfScalar<In>) {
           s.setZero();
           if (halfPath != half_columns::Path::None) {
-            for (Index r = 0; r < bq; ++r)
-              half_columns::axpyAll(halfPath, &qs(r, 0), &kChunk.coeffRef(0, 0), k.derived().outerStride(), dK,
-                                    s.row(r).data(), cols);
+            // Every row in one pass over each column block, each packet widened once for up to
+            // 4 rows (axpyAllRows: the bits of axpyAll row by row).
+            sc.rowsA.resize(size_t(bq));
+            sc.rowsS.resize(size_t(bq));
+            for (Index r = 0; r < bq; ++r) {
+              sc.rowsA[size_t(r)] = &qs(r, 0);
+              sc.rowsS[size_t(r)] = &s(r, 0);
+            }
+            half_columns::axpyAllRows(halfPath, sc.rowsA.data(), bq, &kChunk.coeffRef(0, 0), k.derived().outerStride(),
+                                      dK, sc.rowsS.data(), cols);
           } else {
             logitsByColumn(k, qs, j0, cols, s, sc);
           }
@@ -368,23 +375,37 @@ struct forward_tiled_impl {
         // have no effect even if it is NaN or inf (0 * inf = NaN), so only a non-finite dot
         // pays for the (scalar) select.
         const auto vChunk = v.middleRows(j0, cols);
-        Eigen::Map<Vector<Acc>> dots(sc.v.get(dV), dV);
-        for (Index r = 0; r < bq; ++r) {
-          if constexpr (IsHalfScalar<In> && !ColumnsAre<DV>::contiguous) {
-            // Row-major half storage: blocks of value rows converted, as k's.
-            dots.setZero();
-            for (Index b = 0; b < cols; b += kRowBlock) {
-              const Index n = std::min(kRowBlock, cols - b);
-              dots.transpose().noalias() += s.row(r).segment(b, n) * rowMajorRowsAsAcc(vChunk, b, n, sc.v2);
+        Acc* dotsAll = sc.v.get(bq * dV);
+        bool allRows = false;  // every row's dots computed at once (half storage's column kernels)
+        if constexpr (IsHalfScalar<In> && ColumnsAre<DV>::contiguous) {
+          if (halfPath != half_columns::Path::None) {
+            // Each packet of v widened once for up to 8 rows (dotAllRows: dotAll's bits row by row).
+            sc.rowsA.resize(size_t(bq));
+            sc.rowsD.resize(size_t(bq));
+            for (Index r = 0; r < bq; ++r) {
+              sc.rowsA[size_t(r)] = &s(r, 0);
+              sc.rowsD[size_t(r)] = dotsAll + r * dV;
             }
-          } else if constexpr (std::is_same_v<In, float>) {
-            dots.transpose().noalias() = s.row(r) * vChunk;
-          } else if (halfPath != half_columns::Path::None) {
-            if constexpr (IsHalfScalar<In>)
-              half_columns::dotAll(halfPath, s.row(r).data(), &vChunk.coeffRef(0, 0), v.derived().outerStride(), dV,
-                                   cols, dots.data());
-          } else {
-            for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
+            half_columns::dotAllRows(halfPath, sc.rowsA.data(), 0, bq, &vChunk.coeffRef(0, 0),
+                                     v.derived().outerStride(), dV, cols, sc.rowsD.data());
+            allRows = true;
+          }
+        }
+        for (Index r = 0; r < bq; ++r) {
+          Eigen::Map<Vector<Acc>> dots(dotsAll + r * dV, dV);
+          if (!allRows) {
+            if constexpr (IsHalfScalar<In> && !ColumnsAre<DV>::contiguous) {
+              // Row-major half storage: blocks of value rows converted, as k's.
+              dots.setZero();
+              for (Index b = 0; b < cols; b += kRowBlock) {
+                const Index n = std::min(kRowBlock, cols - b);
+                dots.transpose().noalias() += s.row(r).segment(b, n) * rowMajorRowsAsAcc(vChunk, b, n, sc.v2);
+              }
+            } else if constexpr (std::is_same_v<In, float>) {
+              dots.transpose().noalias() = s.row(r) * vChunk;
+            } else {
+              for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
+            }
           }
           for (Index c = 0; c < dV; ++c) {
             if (!std::isfinite(dots(c))) dots(c) = dotSkippingZeros(s.row(r), columnAsAcc(vChunk.col(c), sc.k));
@@ -409,21 +430,30 @@ struct forward_tiled_impl {
 
   /**
    * Whether a block of `rows` query rows against nK keys takes the decoding path, for k and v of
-   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode) up to
-   * kWideDecodeRows where the keys outnumber the rows kManyKeys times (multi-token or
-   * speculative decoding, a chunk of a long prompt). streamDecode reads each chunk of k and v
-   * once for all the rows, in wide register blocks from 8 rows on; the prefill kernel packs all
-   * of k and v for each query block, scans k for its bounds and runs a block on one thread.
+   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode), and half ones
+   * where the CPU has their column kernels, up to kWideDecodeRows where the keys outnumber the
+   * rows kManyKeys times (multi-token or speculative decoding, a chunk of a long prompt).
+   * Decoding reads each chunk of k and v once for all the rows (float: in wide register blocks
+   * from 8 rows on; half: each packet widened once for up to 4 or 8 rows); the prefill kernel
+   * packs (or converts) all of k and v for each query block, scans k for its bounds and runs a
+   * block on one thread.
    * bench_decode's BM_DecodeQueryRows (d 128, causal, 65536 keys; session 35): one thread, 16
    * rows 11.8-12.6 ms there against 6.1-6.2 here, 5 rows 11.2-12.8 against 3.5; two threads
    * 11.7-12.8 against 2.9-3.2 and 12.0-12.2 against 1.7. Where the keys are few it loses: a
    * batch of 16 items of 8 heads (d 128), 16 rows against 32 keys, 1.41 ms there, 1.69 here;
-   * 8 rows against 32 keys still gained (1.29 -> 0.94).
+   * 8 rows against 32 keys still gained (1.29 -> 0.94). fp16 K/V (the prefill kernel converts
+   * them per call): one thread, 16 rows 37-40 ms there, 8.6-8.9 here, 5 rows 38-42 against 2.7.
    */
   template <typename DK, typename DV>
-  static constexpr bool decodes(Index rows, Index nK) {
-    constexpr bool kWide = std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous;
-    return rows <= kDecodeRows || (kWide && rows <= kWideDecodeRows && nK >= kManyKeys * rows);
+  static bool decodes(Index rows, Index nK) {
+    if (rows <= kDecodeRows) return true;
+    if constexpr (!ColumnsAre<DK>::contiguous || !ColumnsAre<DV>::contiguous) {
+      return false;
+    } else {
+      const bool wide =
+          std::is_same_v<In, float> || (IsHalfScalar<In> && half_columns::path() != half_columns::Path::None);
+      return wide && rows <= kWideDecodeRows && nK >= kManyKeys * rows;
+    }
   }
   /// Keys per decoding chunk: k and v of a chunk take about 1 MiB (within L2), so that the
   /// query heads of a GQA group that run a chunk in turn read it from L2; 256 to 16384 keys, a
