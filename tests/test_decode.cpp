@@ -78,9 +78,9 @@ TEMPLATE_TEST_CASE("decoding over half storage: a few queries against a long fp1
   }
 }
 
-TEMPLATE_TEST_CASE("multi-token decoding over half storage: 5 to 16 rows, each bitwise alone, every ISA",
+TEMPLATE_TEST_CASE("multi-token decoding over half storage: 5 to 32 rows, each bitwise alone, every ISA",
                    "[tiled][half][decode]", Eigen::half, Eigen::bfloat16) {
-  // Half K/V stored by columns decode up to 16 query rows against at least 4 keys a row where
+  // Half K/V stored by columns decode up to 32 query rows against at least 4 keys a row where
   // the CPU has the column kernels (AVX2, AVX-512; the portable path prefills from 5 rows): each
   // packet widened once for several rows (axpyAllRows, dotAllRows), every row the bits of its
   // one-row call, and within the float rule of the oracle on the exactly converted inputs.
@@ -88,7 +88,7 @@ TEMPLATE_TEST_CASE("multi-token decoding over half storage: 5 to 16 rows, each b
   const Index nK = 3001, dK = 64, dV = 24;
   const Mat<H> k = randn<float>(nK, dK, 92).template cast<H>(), v = randn<float>(nK, dV, 93).template cast<H>();
   const auto causal = mask::Causal{Align::LowerRight};
-  for (const Index nQ : {5, 8, 13, 16}) {
+  for (const Index nQ : {5, 8, 13, 16, 32}) {
     INFO("n_q " << nQ);
     const Mat<H> q = randn<float>(nQ, dK, 91).template cast<H>();
     const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);

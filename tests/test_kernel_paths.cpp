@@ -105,10 +105,10 @@ void checkHalfEveryIsa(const Mat<H>& q, const Mat<H>& k, const Mat<H>& v, const 
           CHECK(f.logSumExp(i) == -std::numeric_limits<float>::infinity());
           CHECK((f.output.row(i).array() == 0.0f).all());
         }
-      // Every block of a call of more than 4 half query rows is on the fast kernel, its last
-      // short one too, and so is the float call's of more than 16 (the shapes here); fewer are
-      // decoding, whose half and float paths are their own.
-      const Index rows = q.rows() > 16 ? q.rows() : 0;
+      // Every block of a call of more than 32 half query rows is on the fast kernel, its last
+      // short one too, and so is the float call's (the shapes here); fewer against many keys
+      // are decoding, whose half and float paths are their own.
+      const Index rows = q.rows() > 32 ? q.rows() : 0;
       const auto inFloat = sdpa::attentionForward(kern, qf, kf, vf, scale, mask);
       CHECK(f.output.topRows(rows) == inFloat.output.topRows(rows));
       CHECK(f.logSumExp.head(rows) == inFloat.logSumExp.head(rows));

@@ -36,7 +36,7 @@ enum class Products {
   /// rounded to bf16 for the product P v: each output moves by at most 2^-8 sum_j P_ij |v_jc|
   /// more (docs/NUMERICS.md), as in PyTorch's bf16 CPU attention. The logits, the softmax and
   /// the accumulation stay fp32. Elsewhere, Fp32; decoding (a few query rows against many keys:
-  /// up to 4, or 16 against 4 keys a row or more) too, its half K/V read in place. Faster only
+  /// up to 4, or 32 against 4 keys a row or more) too, its half K/V read in place. Faster only
   /// where the CPU runs `vdpbf16ps` at least at fp32 FMA's instruction rate (docs/PERFORMANCE.md:
   /// not every AVX512_BF16 CPU does).
   Bf16,

@@ -424,15 +424,16 @@ struct forward_tiled_impl {
   static constexpr Index kRowBlock = 128;
   /// Query blocks of at most this many rows take the decoding path (and more: decodes).
   static constexpr Index kDecodeRows = 4;
-  /// Query blocks of up to this many rows take it for float k and v stored by columns, against
-  /// at least kManyKeys keys a row.
-  static constexpr Index kWideDecodeRows = 16, kManyKeys = 4;
+  /// Query blocks of up to this many rows take it for float (half) k and v stored by columns,
+  /// against at least kManyKeys keys a row.
+  static constexpr Index kWideDecodeRows = 16, kWideHalfRows = 32, kManyKeys = 4;
 
   /**
    * Whether a block of `rows` query rows against nK keys takes the decoding path, for k and v of
-   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode), and half ones
-   * where the CPU has their column kernels, up to kWideDecodeRows where the keys outnumber the
-   * rows kManyKeys times (multi-token or speculative decoding, a chunk of a long prompt).
+   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode) up to
+   * kWideDecodeRows, and for half ones where the CPU has their column kernels up to
+   * kWideHalfRows, where the keys outnumber the rows kManyKeys times (multi-token or
+   * speculative decoding, a short chunk of a long prompt).
    * Decoding reads each chunk of k and v once for all the rows (float: in wide register blocks
    * from 8 rows on; half: each packet widened once for up to 4 or 8 rows); the prefill kernel
    * packs (or converts) all of k and v for each query block, scans k for its bounds and runs a
@@ -442,7 +443,11 @@ struct forward_tiled_impl {
    * 11.7-12.8 against 2.9-3.2 and 12.0-12.2 against 1.7. Where the keys are few it loses: a
    * batch of 16 items of 8 heads (d 128), 16 rows against 32 keys, 1.41 ms there, 1.69 here;
    * 8 rows against 32 keys still gained (1.29 -> 0.94). fp16 K/V (the prefill kernel converts
-   * them per call): one thread, 16 rows 37-40 ms there, 8.6-8.9 here, 5 rows 38-42 against 2.7.
+   * them per call): one thread, 16 rows 37-40 ms there, 8.6-8.9 here, 5 rows 38-42 against 2.7;
+   * 32 rows 27.7 against 17.0, 64 rows 34-35 against 30-32, 96 rows 39 against 48 (two threads:
+   * 31 against 8.5 at 32 rows); 4096 keys, 32 rows 2.45 against 0.72 ms. Float stays at 16:
+   * the prefill kernel's 12.3 ms at 17-32 rows (one thread) match decoding's 0.38 ms a row at
+   * about 32.
    */
   template <typename DK, typename DV>
   static bool decodes(Index rows, Index nK) {
@@ -450,9 +455,9 @@ struct forward_tiled_impl {
     if constexpr (!ColumnsAre<DK>::contiguous || !ColumnsAre<DV>::contiguous) {
       return false;
     } else {
-      const bool wide =
-          std::is_same_v<In, float> || (IsHalfScalar<In> && half_columns::path() != half_columns::Path::None);
-      return wide && rows <= kWideDecodeRows && nK >= kManyKeys * rows;
+      constexpr Index kRows = std::is_same_v<In, float> ? kWideDecodeRows : IsHalfScalar<In> ? kWideHalfRows : 0;
+      const bool columnKernels = !IsHalfScalar<In> || half_columns::path() != half_columns::Path::None;
+      return columnKernels && rows <= kRows && nK >= kManyKeys * rows;
     }
   }
   /// Keys per decoding chunk: k and v of a chunk take about 1 MiB (within L2), so that the
