@@ -438,6 +438,64 @@ TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-
   }
 }
 
+TEMPLATE_TEST_CASE("bf16 products pack k and v from any storage order, half by the scalar rounding",
+                   "[tiled][isa][half]", Eigen::half, Eigen::bfloat16) {
+  // The packing of k and v (forward_fast.hpp's packBf16Head: vector paths for column-major
+  // storage, the scalar one otherwise) is exact, and half becomes bf16 rounded to nearest even
+  // as Eigen rounds it: the result of row-major, strided and column-major inputs is the same to
+  // the bit, and so is that of half inputs and of their bf16 values.
+  using H = TestType;
+  using RowMat = Eigen::Matrix<H, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  if (IsaChoice::detected() < Isa::Avx512Bf16) {
+    WARN("this CPU has no AVX512_BF16: the bf16 dot-product kernel does not run here");
+    return;
+  }
+  const kernel::Tiled kern{0, 0, kernel::Products::Bf16};
+  std::uint64_t seed = 7100;
+  // n_k and d_k past and short of the packing's blocks of 8 keys and 8 pairs, odd d_k.
+  for (const Shape& s :
+       std::vector<Shape>{{45, 77, 40, 24}, {33, 130, 99, 37}, {64, 300, 16, 16}, {70, 333, 128, 40}}) {
+    INFO("n_q " << s.nQ << ", n_k " << s.nK << ", d_k " << s.dK << ", d_v " << s.dV);
+    const Mat<H> q = toHalf<H>(randn<float>(s.nQ, s.dK, ++seed)), k = toHalf<H>(randn<float>(s.nK, s.dK, ++seed));
+    Mat<H> v = toHalf<H>(randn<float>(s.nK, s.dV, ++seed));
+    v(s.nK - 2, s.dV / 2) = H(std::numeric_limits<float>::infinity());  // a tile with a value not finite
+    const RowMat qR = q, kR = k, vR = v;
+    // Strided: the inputs as blocks of wider matrices.
+    Mat<H> kWide = Mat<H>::Zero(s.nK + 5, s.dK + 3), vWide = Mat<H>::Zero(s.nK + 5, s.dV + 3);
+    kWide.block(2, 1, s.nK, s.dK) = k;
+    vWide.block(2, 1, s.nK, s.dV) = v;
+    const mask::KeyLength keys{s.nK - 4};  // the value that is not finite hidden
+    forEachIsa(
+        [&](Isa isa) {
+          if (isa < Isa::Avx512Bf16) return;
+          const auto plain = sdpa::attentionForward<float>(kern, q, k, v, sdpa::scale::InvSqrtDk{}, keys);
+          REQUIRE(plain.output.allFinite());
+          const auto rows = sdpa::attentionForward<float>(kern, qR, kR, vR, sdpa::scale::InvSqrtDk{}, keys);
+          CHECK(rows.output == plain.output);
+          CHECK(rows.logSumExp == plain.logSumExp);
+          const auto mixed = sdpa::attentionForward<float>(kern, q, kR, v, sdpa::scale::InvSqrtDk{}, keys);
+          CHECK(mixed.output == plain.output);
+          const auto strided = sdpa::attentionForward<float>(
+              kern, q, kWide.block(2, 1, s.nK, s.dK), vWide.block(2, 1, s.nK, s.dV), sdpa::scale::InvSqrtDk{}, keys);
+          CHECK(strided.output == plain.output);
+          CHECK(strided.logSumExp == plain.logSumExp);
+          if constexpr (std::is_same_v<H, Eigen::half>) {
+            // (Finite values: a tile with a value that is not reads v in place, unrounded.)
+            using B = Eigen::bfloat16;
+            const Mat<H> vFinite = v.unaryExpr([](H x) { return Eigen::numext::isfinite(x) ? x : H(1.0f); });
+            const Mat<B> qB = q.template cast<float>().template cast<B>(),
+                         kB = k.template cast<float>().template cast<B>(),
+                         vB = vFinite.template cast<float>().template cast<B>();
+            const auto half = sdpa::attentionForward<float>(kern, q, k, vFinite, sdpa::scale::InvSqrtDk{}, keys);
+            const auto bf = sdpa::attentionForward<float>(kern, qB, kB, vB, sdpa::scale::InvSqrtDk{}, keys);
+            CHECK(bf.output == half.output);
+            CHECK(bf.logSumExp == half.logSumExp);
+          }
+        },
+        true);
+  }
+}
+
 namespace {
 
 /// The bf16 kernel's special values under the ISA in force (its vdpbf16ps or AMX products).
