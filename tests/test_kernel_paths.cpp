@@ -427,6 +427,9 @@ TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-
     const long double tau = 1.0L / std::sqrt((long double)s.dK);
     check(sdpa::scale::InvSqrtDk{}, mask::None{}, tau, allVisible(), noBias(), 0);
     check(sdpa::scale::None{}, mask::None{}, 1.0L, allVisible(), noBias(), 0);
+    // A large negative scale: the row maxima of the logits (to about 300) are not the raw
+    // products' maxima scaled, and a softmax shifted by anything else overflows.
+    check(sdpa::scale::Constant{-8.0}, mask::None{}, -8.0L, allVisible(), noBias(), 0);
     check(
         sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
         [=](Index i, Index j) { return j <= i + S - L; }, noBias(), 0);

@@ -828,6 +828,16 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       if constexpr (Bf16) {
         if (amx) {
           amx::logits(qP + g, lanes, gl, dK2p, bf->kP + j0 * bf->kLd, bf->kLd, {kb, ke, cols}, sT);
+          // A tile of finite logits, all visible, no figures to take, finite values: its
+          // softmax straight into the weights' pairs.
+          if (t == mask::Tile::Visible && !checked && !stats && vFinite) {
+            if (base2)
+              amx::softmaxPairs<true>(sT, gl, cols, tau * unit, m + g, l + g, accG, dV, pP);
+            else
+              amx::softmaxPairs<false>(sT, gl, cols, tau * unit, m + g, l + g, accG, dV, pP);
+            amx::values(pP, gl, {kb, ke, cols}, bf->vP + j0 / 2, bf->vLd, dVp, accG);
+            continue;
+          }
           amx::scaleAndMax(sT, gl, {kb, ke, cols}, tau * unit, tileMax);
         } else {
           avx512bf16::logits(qP + g, lanes, gl, dK2, bf->kP + j0, bf->kLd, tau * unit, {kb, ke, cols}, sT, tileMax);
