@@ -430,6 +430,9 @@ TEMPLATE_TEST_CASE("bf16 dot products (Products::Bf16): the float bound plus 2^-
     // A large negative scale: the row maxima of the logits (to about 300) are not the raw
     // products' maxima scaled, and a softmax shifted by anything else overflows.
     check(sdpa::scale::Constant{-8.0}, mask::None{}, -8.0L, allVisible(), noBias(), 0);
+    // Logits near 10^29 (finite, no overflow possible): the largest logit of a row has weight 1
+    // only if it is rounded before its row maximum is subtracted (half its ulp is 2^71).
+    check(sdpa::scale::Constant{std::ldexp(1.0, 93)}, mask::None{}, std::ldexp(1.0L, 93), allVisible(), noBias(), 0);
     check(
         sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
         [=](Index i, Index j) { return j <= i + S - L; }, noBias(), 0);
