@@ -184,6 +184,25 @@ inline void gramLower(const float* x, Index rows, Index dPad, float* g) {
 }
 
 #if SDPA_HAS_ISA_DISPATCH
+/// The 8 x 8 transpose of m (row j in m[j]) into o (row i of the transpose in o[i]).
+__attribute__((target("avx2"))) inline void transpose8x8(const __m256* m, __m256* o) {
+  __m256 t[8], u[8];
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_ps(m[j], m[j + 1]);
+    t[j + 1] = _mm256_unpackhi_ps(m[j], m[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {
+    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+    u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
+    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    o[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    o[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 /**
  * out (row-major, row stride ldo) rows 0..rows, columns 0..d = x (column-major, column stride
  * ldx) minus mu (d), in 8 x 8 blocks transposed in registers (a scalar loop of strided stores
@@ -195,23 +214,11 @@ __attribute__((target("avx2"))) inline void centredTranspose(const float* x, Ind
   for (; r0 + 8 <= rows; r0 += 8) {
     Index c0 = 0;
     for (; c0 + 8 <= d; c0 += 8) {
-      __m256 m[8], t[8];
+      __m256 m[8], o[8];
       for (Index j = 0; j < 8; ++j)
         m[j] = _mm256_sub_ps(_mm256_loadu_ps(x + (c0 + j) * ldx + r0), _mm256_set1_ps(mu[c0 + j]));
-      for (Index j = 0; j < 8; j += 2) {
-        t[j] = _mm256_unpacklo_ps(m[j], m[j + 1]);
-        t[j + 1] = _mm256_unpackhi_ps(m[j], m[j + 1]);
-      }
-      for (Index j = 0; j < 8; j += 4) {
-        m[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
-        m[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
-        m[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-        m[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
-      }
-      for (Index i = 0; i < 4; ++i) {
-        _mm256_storeu_ps(out + (r0 + i) * ldo + c0, _mm256_permute2f128_ps(m[i], m[i + 4], 0x20));
-        _mm256_storeu_ps(out + (r0 + i + 4) * ldo + c0, _mm256_permute2f128_ps(m[i], m[i + 4], 0x31));
-      }
+      transpose8x8(m, o);
+      for (Index i = 0; i < 8; ++i) _mm256_storeu_ps(out + (r0 + i) * ldo + c0, o[i]);
     }
     for (; c0 < d; ++c0)
       for (Index r = r0; r < r0 + 8; ++r) out[r * ldo + c0] = x[c0 * ldx + r] - mu[c0];
@@ -511,21 +518,9 @@ SDPA_PACK_TARGET inline void keyPairs8x8(const S* k, Index kCs, Index c0, std::u
     const __m256i hi = _mm256_cvtepu16_epi32(bf16x8(k + (2 * (c0 + i) + 1) * kCs));
     r[i] = _mm256_castsi256_ps(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
   }
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(reinterpret_cast<float*>(kP + j * kLd + c0), _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
-    _mm256_storeu_ps(reinterpret_cast<float*>(kP + (j + 4) * kLd + c0), _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
-  }
+  __m256 o[8];
+  transpose8x8(r, o);
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(kP + j * kLd + c0), o[j]);
 }
 
 /// n entries of a column as bf16 bits into out (16-bit), 8 at a time.
