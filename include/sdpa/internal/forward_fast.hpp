@@ -119,8 +119,9 @@ constexpr Index roundUp(Index n, Index m) { return (n + m - 1) / m * m; }
 #undef SDPA_FAST_COLS
 #undef SDPA_FAST_FILL
 // clang-format on
-#include "forward_fast_amx.inc"
 #include "forward_fast_bf16.inc"
+// (The AMX kernels use the bf16 kernels' pair store.)
+#include "forward_fast_amx.inc"
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
