@@ -177,14 +177,14 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
           "[decode][isa]") {
   // decode_rows.hpp's kernels are built for AVX-512, AVX2 and the build's own ISA and chosen at
   // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-5 (passes
-  // of 4, 3, 2, 1), 9 and 16 (wide blocks of 8 logit rows and 6 value rows where the ISA has 32
-  // registers, then passes of at most 4), d 37 and 8 (a short column block), n 1037 (a tail past
-  // every vector width).
+  // of 4, 3, 2, 1), 9, 16, 24 and 41 (wide blocks of 8 logit rows and 6 value rows where the ISA
+  // has 32 registers, up to four logit blocks sharing each block of keys, then passes of at most
+  // 4), d 37 and 8 (a short column block), n 1037 (a tail past every vector width).
   std::mt19937_64 gen(41);
   std::normal_distribution<float> normal;
   const Index n = 1037;
   for (const Index d : {37, 8}) {
-    for (const Index R : {1, 2, 3, 4, 5, 9, 16}) {
+    for (const Index R : {1, 2, 3, 4, 5, 9, 16, 24, 41}) {
       INFO("d " << d << ", rows " << R);
       std::vector<float> a(size_t(R * d)), k(size_t(n * d)), p(size_t(R * n)), v(size_t(n * d));
       for (auto* x : {&a, &k, &p, &v})
@@ -212,8 +212,8 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
         // The logits: one multiply-add per column in column order, the same bits whichever rows
         // share a pass (row 0 alone gives row 0's bits), and on AVX2 as on AVX-512 (fused; the
         // portable build's SSE2 rounds the product first).
-        // So are the dots, for the first and the last row (a wide block's and a narrow pass's).
-        for (const Index r : {Index(0), R - 1}) {
+        // So are the dots, row by row (wide blocks' rows and narrow passes').
+        for (Index r = 0; r < R; ++r) {
           std::vector<float> alone(static_cast<size_t>(n), 0.0f), aloneDots(static_cast<size_t>(d));
           float* aloneRow = alone.data();
           float* aloneDot = aloneDots.data();

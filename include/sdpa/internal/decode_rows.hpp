@@ -57,15 +57,19 @@ inline float vsum(V x) { return Eigen::internal::predux(x); }
 /// Keeps a loaded vector in a register for all the multiply-adds that use it. Without this GCC
 /// folds the load into each of them (a memory operand per FMA): the multi-row decoding kernels
 /// then issue a load per FMA, as many as the load ports take, and ran at 0.3-0.45 of the FMA peak
-/// on an AVX2 EPYC (session 25) where one load per vector lets them reach 0.65-0.8.
+/// on an AVX2 EPYC (session 25) where one load per vector lets them reach 0.65-0.8. The asm takes
+/// a copy: given an array element itself (the kernels' V x[J], pm[Rows]), GCC 12 also stored the
+/// element to the stack after every asm, dead stores of one vector each (session 37).
 inline void vkeep(V& x) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   if constexpr (sizeof(V) >= 16) {
+    V t = x;
 #if defined(__AVX512F__)
-    __asm__("" : "+v"(x));
+    __asm__("" : "+v"(t));
 #else
-    __asm__("" : "+x"(x));
+    __asm__("" : "+x"(t));
 #endif
+    x = t;
   }
 #else
   (void)x;
@@ -95,7 +99,11 @@ SDPA_DECODE_TARGET inline V vload(const Eigen::bfloat16* x) { return half_column
 SDPA_DECODE_TARGET inline void vstore(float* p, V x) { _mm512_storeu_ps(p, x); }
 SDPA_DECODE_TARGET inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 SDPA_DECODE_TARGET inline float vsum(V x) { return half_columns::avx512::laneSum(x); }
-SDPA_DECODE_TARGET inline void vkeep(V& x) { __asm__("" : "+v"(x)); }
+SDPA_DECODE_TARGET inline void vkeep(V& x) {
+  V t = x;
+  __asm__("" : "+v"(t));
+  x = t;
+}
 #undef SDPA_DECODE_TARGET
 }  // namespace avx512
 
@@ -121,7 +129,11 @@ SDPA_DECODE_TARGET inline float vsum(V x) {
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-SDPA_DECODE_TARGET inline void vkeep(V& x) { __asm__("" : "+x"(x)); }
+SDPA_DECODE_TARGET inline void vkeep(V& x) {
+  V t = x;
+  __asm__("" : "+x"(t));
+  x = t;
+}
 #undef SDPA_DECODE_TARGET
 }  // namespace avx2
 #endif
