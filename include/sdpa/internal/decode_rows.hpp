@@ -182,6 +182,22 @@ inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Ind
 }
 
 /**
+ * decodeLogitsRows's wide blocks (8 rows at a time, from 8 rows on) for column-major half or
+ * bfloat16 k, widened in registers where the ISA instance loads them (AVX2, AVX-512); returns
+ * the rows it took, 0 elsewhere. The same arithmetic as half_columns' kernels, which take the
+ * other rows: each packet of keys widened once for 8 rows instead of 4, the partial sums over
+ * 32 columns in registers instead of loaded and stored every 8.
+ */
+template <typename H>
+Index decodeHalfLogitsWide(const float* const* a, Index R, const H* k, Index ldk, Index d, Index n, float* const* s) {
+  Index done = 0;
+  withDecodeSimd([&](auto simd) {
+    if constexpr (decltype(simd)::kHalfLoads) done = matrixLogitsWide(simd, a, R, k, ldk, d, n, s);
+  });
+  return done;
+}
+
+/**
  * Decoding's weighted values for R rows of weights p over n keys of column-major float v (column
  * stride ldv): dots[r][c] = sum_j p[r][j] v[j + c ldv], each a packet of partial sums over the
  * keys in order, reduced, then the last keys one by one: whatever R, as decodeLogitsRows. A

@@ -334,15 +334,18 @@ struct forward_tiled_impl {
           s.setZero();
           if (halfPath != half_columns::Path::None) {
             // Every row in one pass over each column block, each packet widened once for up to
-            // 4 rows (axpyAllRows: the bits of axpyAll row by row).
+            // 4 rows (axpyAllRows: the bits of axpyAll row by row), or 8 in the wide blocks.
             sc.rowsA.resize(size_t(bq));
             sc.rowsS.resize(size_t(bq));
             for (Index r = 0; r < bq; ++r) {
               sc.rowsA[size_t(r)] = &qs(r, 0);
               sc.rowsS[size_t(r)] = &s(r, 0);
             }
-            half_columns::axpyAllRows(halfPath, sc.rowsA.data(), bq, &kChunk.coeffRef(0, 0), k.derived().outerStride(),
-                                      dK, sc.rowsS.data(), cols);
+            const In* kc = &kChunk.coeffRef(0, 0);
+            const Index ldk = k.derived().outerStride();
+            const Index wide = decodeHalfLogitsWide(sc.rowsA.data(), bq, kc, ldk, dK, cols, sc.rowsS.data());
+            half_columns::axpyAllRows(halfPath, sc.rowsA.data() + wide, bq - wide, kc, ldk, dK, sc.rowsS.data() + wide,
+                                      cols);
           } else {
             logitsByColumn(k, qs, j0, cols, s, sc);
           }
