@@ -177,14 +177,15 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
           "[decode][isa]") {
   // decode_rows.hpp's kernels are built for AVX-512, AVX2 and the build's own ISA and chosen at
   // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-5 (passes
-  // of 4, 3, 2, 1), 9, 16, 24 and 41 (wide blocks of 8 logit rows and 6 value rows where the ISA
-  // has 32 registers, up to four logit blocks sharing each block of keys, then passes of at most
-  // 4), d 37 and 8 (a short column block), n 1037 (a tail past every vector width).
+  // of 4, 3, 2, 1), 9, 12, 14, 16, 24 and 41 (wide blocks of 8 logit rows and 6 value rows where
+  // the ISA has 32 registers, up to four logit blocks sharing each block of keys, a half block of
+  // 4 where 4 or more rows are left, then passes of at most 4; AVX2: blocks of 4, halves of 2), d
+  // 37 and 8 (a short column block), n 1037 (a tail past every vector width).
   std::mt19937_64 gen(41);
   std::normal_distribution<float> normal;
   const Index n = 1037;
   for (const Index d : {37, 8}) {
-    for (const Index R : {1, 2, 3, 4, 5, 9, 16, 24, 41}) {
+    for (const Index R : {1, 2, 3, 4, 5, 9, 12, 14, 16, 24, 41}) {
       INFO("d " << d << ", rows " << R);
       std::vector<float> a(size_t(R * d)), k(size_t(n * d)), p(size_t(R * n)), v(size_t(n * d));
       for (auto* x : {&a, &k, &p, &v})
