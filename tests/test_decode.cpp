@@ -132,17 +132,18 @@ TEST_CASE("a million keys for one query, decoding and naive, against the oracle"
   });
 }
 
-TEST_CASE("multi-token decoding: 5 to 16 query rows against many keys, each row bitwise alone, every ISA",
+TEST_CASE("multi-token decoding: 5 to 32 query rows against many keys, each row bitwise alone, every ISA",
           "[tiled][decode]") {
-  // Up to 16 float query rows against at least 4 keys a row take the decoding path (speculative
+  // Up to 32 float query rows against at least 4 keys a row take the decoding path (speculative
   // or multi-token decoding; forward_tiled.hpp's decodes), whose wide register blocks take 8
   // rows at a time: every row's arithmetic is its own, so each row equals the one-row call, bit
   // for bit, and the rows and masks that differ by row (causal, sliding window, ALiBi) meet the
-  // oracle. 13 rows: a wide block and a narrow pass; n_k 2011: tails past every vector width.
+  // oracle. 13 rows: a wide block and a narrow pass; 29: three wide blocks, a half block and a
+  // narrow pass; n_k 2011: tails past every vector width.
   const Index nK = 2011, dK = 64, dV = 40;
   const Mat<float> k = randn<float>(nK, dK, 82), v = randn<float>(nK, dV, 83);
   const long double tau = 1.0L / std::sqrt((long double)dK);
-  for (const Index nQ : {5, 8, 13, 16}) {
+  for (const Index nQ : {5, 8, 13, 16, 29, 32}) {
     INFO("n_q " << nQ);
     const Mat<float> q = randn<float>(nQ, dK, 81, 2.0);
     forEachIsa([&](Isa) {

@@ -429,7 +429,7 @@ struct forward_tiled_impl {
   static constexpr Index kDecodeRows = 4;
   /// Query blocks of up to this many rows take it for float (half) k and v stored by columns,
   /// against at least kManyKeys keys a row.
-  static constexpr Index kWideDecodeRows = 16, kWideHalfRows = 32, kManyKeys = 4;
+  static constexpr Index kWideDecodeRows = 32, kWideHalfRows = 32, kManyKeys = 4;
 
   /**
    * Whether a block of `rows` query rows against nK keys takes the decoding path, for k and v of
@@ -448,9 +448,11 @@ struct forward_tiled_impl {
    * 8 rows against 32 keys still gained (1.29 -> 0.94). fp16 K/V (the prefill kernel converts
    * them per call): one thread, 16 rows 37-40 ms there, 8.6-8.9 here, 5 rows 38-42 against 2.7;
    * 32 rows 27.7 against 17.0, 64 rows 34-35 against 30-32, 96 rows 39 against 48 (two threads:
-   * 31 against 8.5 at 32 rows); 4096 keys, 32 rows 2.45 against 0.72 ms. Float stays at 16:
-   * the prefill kernel's 12.3 ms at 17-32 rows (one thread) match decoding's 0.38 ms a row at
-   * about 32.
+   * 31 against 8.5 at 32 rows); 4096 keys, 32 rows 2.45 against 0.72 ms. Float stayed at 16
+   * until session 37, when the wide blocks came to share each block of keys: on a Sapphire
+   * Rapids Xeon (65536 keys, d 128, causal, attentionForwardInto, best of 8) 17, 24 and 32 rows
+   * took 15-16 ms there against 6.6-7.6, 8.2-8.6 and 10.8-11.3 here on one thread, 14.6-15.7
+   * against 3.3, 4.0-4.1 and 5.3 on two; 48 rows 21-22 ms either way.
    */
   template <typename DK, typename DV>
   static bool decodes(Index rows, Index nK) {
