@@ -205,12 +205,12 @@ BENCHMARK(BM_DecodeHeads)
 
 BENCHMARK(BM_DecodeQueryRows<float>)
     ->ArgNames({"nk", "nq", "threads"})
-    ->ArgsProduct({{4096, 65536}, {1, 4, 5, 8, 12, 16, 17}, {1, 2}})
+    ->ArgsProduct({{4096, 65536}, {1, 4, 5, 6, 7, 8, 12, 16, 17}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeQueryRows<Eigen::half>)
     ->ArgNames({"nk", "nq", "threads"})
-    ->ArgsProduct({{65536}, {1, 4, 5, 8, 16, 17}, {1, 2}})
+    ->ArgsProduct({{65536}, {1, 4, 5, 6, 7, 8, 16, 17}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -224,12 +224,12 @@ BENCHMARK(BM_CacheHeadsQ4)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheQueryRows<float>)
     ->ArgNames({"nk", "nq"})
-    ->ArgsProduct({{65536, 524288}, {1, 4, 8, 16}})
+    ->ArgsProduct({{65536, 524288}, {1, 4, 5, 6, 8, 16}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheQueryRows<Eigen::half>)
     ->ArgNames({"nk", "nq"})
-    ->ArgsProduct({{65536}, {1, 4, 8, 16}})
+    ->ArgsProduct({{65536}, {1, 4, 5, 6, 8, 16}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheAppend<float>)->ArgNames({"nk", "mode"})->ArgsProduct({{4096, 65536}, {0, 1, 2}});

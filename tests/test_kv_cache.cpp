@@ -166,7 +166,7 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
   // its own (matrix-vector kernels in register blocks of several rows, the next chunk prefetched
   // from 8 rows on), so over the same keys every row equals the call on that row alone, bit for
   // bit, whatever the row count (1 to 16 per head) and the group (rows of a GQA group's heads
-  // share the blocks).
+  // share the blocks; 5, 6 and 7 rows a kv head: one block of the wide kernels' rest).
   // Several chunks of keys (1600 keys: 1 to 7 chunks by storage and d; float at d 128: 2), contiguous and
   // paged. d 37: the value kernels' last block of columns is short (37 = 9 x 4 + 1).
   std::mt19937_64 gen(31);
@@ -178,7 +178,7 @@ TEMPLATE_TEST_CASE("KvCache: each query row of a multi-token call gets the bits 
     BothCaches<TestType> caches(k, v, Hkv, d, 32);
     const auto &contiguous = caches.contiguous, &paged = caches.paged;
     const Index seq = caches.seq;
-    for (const Index nQ : {3, 16}) {
+    for (const Index nQ : {3, 5, 16}) {
       INFO("Heads{" << H << ", " << Hkv << "}, d " << d << ", n_q " << nQ);
       const Mat<float> qs = q.topRows(nQ);
       const auto all =

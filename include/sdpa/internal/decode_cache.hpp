@@ -355,12 +355,13 @@ struct decode_cache_impl {
         for (Index r = 0; r < R; ++r)
           Eigen::Map<Vector<double>>(sc.rowsO[size_t(r)], p.count).noalias() +=
               km * Eigen::Map<const Vector<double>>(sc.rowsA[size_t(r)], dK);
-      } else if (const auto path = halfColumns(plan, chunk); path != half_columns::Path::None && R < 8) {
+      } else if (const auto path = halfColumns(plan, chunk); path != half_columns::Path::None && R < 5) {
         // Long half pieces: widened in registers (AVX2 or AVX-512, at run time), 8 columns per
-        // pass over a row of logits, with prefetching; float's kernel's bits. From 8 rows on
+        // pass over a row of logits, with prefetching; float's kernel's bits. From 5 rows on
         // cacheLogits' wide blocks (below) take them, with the same bits: each packet of keys
-        // widened once for 8 rows, the partial sums over 32 columns in registers where these
-        // load and store them every 8 columns and widen each packet once per 4 rows.
+        // widened once for up to 8 rows, the partial sums over 32 columns in registers where
+        // these load and store them every 8 columns and widen each packet once per 4 rows (from
+        // 8 until session 38: 5-7 rows took two passes, 5 rows 1.05-1.1x slower).
         if constexpr (IsHalfScalar<Plain>)
           half_columns::axpyAllRows(path, sc.rowsA.data(), R, k, p.ld, dK, sc.rowsO.data(), p.count);
       } else if constexpr (std::is_same_v<Plain, float>) {
