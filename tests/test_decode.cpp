@@ -88,7 +88,7 @@ TEMPLATE_TEST_CASE("multi-token decoding over half storage: 5 to 32 rows, each b
   const Index nK = 3001, dK = 64, dV = 24;
   const Mat<H> k = randn<float>(nK, dK, 92).template cast<H>(), v = randn<float>(nK, dV, 93).template cast<H>();
   const auto causal = mask::Causal{Align::LowerRight};
-  for (const Index nQ : {5, 8, 13, 16, 32}) {
+  for (const Index nQ : {5, 6, 7, 8, 13, 16, 32}) {
     INFO("n_q " << nQ);
     const Mat<H> q = randn<float>(nQ, dK, 91).template cast<H>();
     const Mat<double> qd = fromHalf(q), kd = fromHalf(k), vd = fromHalf(v);
@@ -138,12 +138,13 @@ TEST_CASE("multi-token decoding: 5 to 32 query rows against many keys, each row 
   // or multi-token decoding; forward_tiled.hpp's decodes), whose wide register blocks take 8
   // rows at a time: every row's arithmetic is its own, so each row equals the one-row call, bit
   // for bit, and the rows and masks that differ by row (causal, sliding window, ALiBi) meet the
-  // oracle. 13 rows: a wide block and a narrow pass; 29: three wide blocks, a half block and a
-  // narrow pass; n_k 2011: tails past every vector width.
+  // oracle. 5-7 rows: one rest block (AVX2: a block of 4 and a rest); 13: a wide block and a
+  // rest block of 5; 29: three wide blocks and a rest of 5; n_k 2011: tails past every vector
+  // width.
   const Index nK = 2011, dK = 64, dV = 40;
   const Mat<float> k = randn<float>(nK, dK, 82), v = randn<float>(nK, dV, 83);
   const long double tau = 1.0L / std::sqrt((long double)dK);
-  for (const Index nQ : {5, 8, 13, 16, 29, 32}) {
+  for (const Index nQ : {5, 6, 7, 8, 13, 16, 29, 32}) {
     INFO("n_q " << nQ);
     const Mat<float> q = randn<float>(nQ, dK, 81, 2.0);
     forEachIsa([&](Isa) {
@@ -174,20 +175,36 @@ TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matc
   checkEveryKernel(q, k, v, sdpa::scale::Constant{2.5}, mask::None{}, 2.5L, allVisible(), noBias());
 }
 
+/// A float dot product of m terms (x and y at strides, float or half) against double: within
+/// gamma_m sum |x_i y_i|, Higham's bound for any order of float multiply-adds (u = 2^-24).
+template <typename X, typename Y>
+void checkDot(float got, const X* x, Index xStride, const Y* y, Index yStride, Index m) {
+  const double u = std::ldexp(1.0, -24), gamma = double(m) * u / (1 - double(m) * u);
+  double exact = 0, mass = 0;
+  for (Index i = 0; i < m; ++i) {
+    const double t = double(float(x[i * xStride])) * double(float(y[i * yStride]));
+    exact += t;
+    mass += std::abs(t);
+  }
+  CHECK(std::abs(double(got) - exact) <= gamma * mass);
+}
+
 TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within the float dot-product bound",
           "[decode][isa]") {
   // decode_rows.hpp's kernels are built for AVX-512, AVX2 and the build's own ISA and chosen at
-  // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-5 (passes
-  // of 4, 3, 2, 1), 9, 12, 14, 16, 24 and 41 (wide blocks of 8 logit rows and 6 value rows where
-  // the ISA has 32 registers, up to four logit blocks sharing each block of keys, a half block of
-  // 4 where 4 or more rows are left, then passes of at most 4; AVX2: blocks of 4, halves of 2), d
-  // 37 and 8 (a short column block), n 1037 (a tail past every vector width).
+  // run time: a build without -march decodes with AVX-512 where the CPU has it. Rows 1-4 (one
+  // pass of that many), 5-9, 12, 14, 16, 24 and 41 (wide blocks of 8 logit rows and 6 value rows
+  // where the ISA has 32 registers, up to four logit blocks sharing each block of keys, the rows
+  // left as a block of 1-7 in the last group's pass; values' column blocks shared by passes of
+  // at most 4 rows after the wide ones; AVX2: blocks of 4), d 37 and 8 (a short column block), n
+  // 1037 (a tail past every vector width: rowLogits after the wide blocks) and 37 (no whole
+  // block of keys: the tail alone).
   std::mt19937_64 gen(41);
   std::normal_distribution<float> normal;
-  const Index n = 1037;
-  for (const Index d : {37, 8}) {
-    for (const Index R : {1, 2, 3, 4, 5, 9, 12, 14, 16, 24, 41}) {
-      INFO("d " << d << ", rows " << R);
+  for (const auto& shape : {std::pair<Index, Index>{1037, 37}, {1037, 8}, {37, 37}}) {
+    const Index n = shape.first, d = shape.second;  // (a structured binding cannot be captured in C++17)
+    for (const Index R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 16, 24, 41}) {
+      INFO("n " << n << ", d " << d << ", rows " << R);
       std::vector<float> a(size_t(R * d)), k(size_t(n * d)), p(size_t(R * n)), v(size_t(n * d));
       for (auto* x : {&a, &k, &p, &v})
         for (float& e : *x) e = normal(gen);
@@ -228,20 +245,88 @@ TEST_CASE("decoding's row kernels run on the instance IsaChoice picks, within th
           if (first.empty()) first = s;
           CHECK(s == first);
         }
-        // Each logit (d terms) and dot (n terms) against double: within gamma_m sum |x_i y_i|
-        // for m terms (any order of float multiply-adds: Higham's bound, u = 2^-24).
-        const auto checkDot = [](float got, const float* x, Index xStride, const float* y, Index yStride, Index m) {
-          const double u = std::ldexp(1.0, -24), gamma = double(m) * u / (1 - double(m) * u);
-          double exact = 0, mass = 0;
-          for (Index i = 0; i < m; ++i) {
-            exact += double(x[i * xStride]) * double(y[i * yStride]);
-            mass += std::abs(double(x[i * xStride]) * double(y[i * yStride]));
-          }
-          CHECK(std::abs(double(got) - exact) <= gamma * mass);
-        };
+        // Each logit (d terms) and dot (n terms) against double.
         for (Index r = 0; r < R; ++r) {
           for (Index j = 0; j < n; ++j) checkDot(s[size_t(r * n + j)], a.data() + r * d, 1, k.data() + j, n, d);
           for (Index c = 0; c < d; ++c) checkDot(dots[size_t(r * d + c)], p.data() + r * n, 1, v.data() + c * n, 1, n);
+        }
+      });
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "decoding's kernels for K/V stored by keys (row-major) run on every ISA, within the dot-product bound",
+    "[decode][isa][rowmajor]", float, Eigen::half, Eigen::bfloat16) {
+  // Row-major k and v (numpy's and PyTorch's layout) decode through decode_rows.hpp's by-key
+  // kernels, chosen at run time as the column kernels are (half storage widened in registers
+  // on AVX2 and AVX-512): each key's logit a vector of partial sums over the columns, reduced;
+  // each value column one chain of multiply-adds in key order, the bits of a scalar loop of
+  // fused multiply-adds on AVX2 and AVX-512 (the portable instance of a build without FMA rounds
+  // each product: within the bound). A key's logit is the same in any block of keys and at any
+  // row stride (a head of a packed batch gives the single head's bits); each row is its own.
+  // Rows 1-4 (passes of that many) and 7 (4 + 3); d 37 (column tails past every vector width),
+  // 64 and 8; n 1037 and 3 (fewer keys than a block).
+  using T = TestType;
+  std::mt19937_64 gen(47);
+  std::normal_distribution<float> normal;
+  for (const auto& shape : {std::pair<Index, Index>{1037, 37}, {1037, 64}, {1037, 8}, {3, 37}}) {
+    const Index n = shape.first, d = shape.second;  // (a structured binding cannot be captured in C++17)
+    for (const Index R : {1, 2, 3, 4, 7}) {
+      INFO("n " << n << ", d " << d << ", rows " << R);
+      const Index wide = d + 5;  // the same keys at another row stride
+      std::vector<float> a(size_t(R * d)), p(size_t(R * n));
+      std::vector<T> k(size_t(n * d)), v(size_t(n * d));
+      for (auto* x : {&a, &p})
+        for (float& e : *x) e = normal(gen);
+      for (auto* x : {&k, &v})
+        for (T& e : *x) e = T(normal(gen));
+      std::vector<T> kWide(size_t(n * wide), T(std::numeric_limits<float>::quiet_NaN()));
+      for (Index j = 0; j < n; ++j) std::copy_n(k.data() + j * d, d, kWide.data() + j * wide);
+      std::vector<const float*> rowsA(static_cast<size_t>(R)), rowsP(static_cast<size_t>(R));
+      for (Index r = 0; r < R; ++r) {
+        rowsA[size_t(r)] = a.data() + r * d;
+        rowsP[size_t(r)] = p.data() + r * n;
+      }
+      // Each value column: the scalar chain in key order.
+      std::vector<float> chain(size_t(R * d));
+      for (Index r = 0; r < R; ++r)
+        for (Index c = 0; c < d; ++c) {
+          float t = 0.0f;
+          for (Index j = 0; j < n; ++j) t = std::fma(p[size_t(r * n + j)], float(v[size_t(j * d + c)]), t);
+          chain[size_t(r * d + c)] = t;
+        }
+      forEachIsa([&](Isa isa) {
+        bool ran = true;
+        const auto run = [&](const float* const* rows, Index count, const T* keys, Index ld, float* s, float* dots) {
+          std::vector<float*> rowsS(static_cast<size_t>(count)), rowsD(static_cast<size_t>(count));
+          for (Index r = 0; r < count; ++r) {
+            rowsS[size_t(r)] = s + r * n;
+            rowsD[size_t(r)] = dots + r * d;
+          }
+          ran = sdpa::internal::decodeLogitsByKey(rows, count, keys, ld, d, n, rowsS.data()) &&
+                sdpa::internal::decodeValuesByKey(rowsP.data(), count, v.data(), d, d, n, rowsD.data());
+        };
+        std::vector<float> s(size_t(R * n), 0.0f), dots(size_t(R * d)), s2(size_t(R * n), 0.0f), dots2(size_t(R * d));
+        run(rowsA.data(), R, k.data(), d, s.data(), dots.data());
+        // Float always; half wherever the instance widens it in registers (AVX2, AVX-512).
+        CHECK(ran == (std::is_same_v<T, float> || isa != Isa::Portable ||
+                      sdpa::internal::decode_simd::portable::Simd::kHalfLoads));
+        if (!ran) return;
+        run(rowsA.data(), R, kWide.data(), wide, s2.data(), dots2.data());
+        CHECK(s2 == s);
+        if (isa != Isa::Portable) {
+          CHECK(dots == chain);
+        } else {  // (the portable build's instance may round each product: SSE2 has no FMA)
+          for (Index r = 0; r < R; ++r)
+            for (Index c = 0; c < d; ++c) checkDot(dots[size_t(r * d + c)], p.data() + r * n, 1, v.data() + c, d, n);
+        }
+        for (Index r = 0; r < R; ++r) {
+          std::vector<float> alone(static_cast<size_t>(n), 0.0f);
+          float* aloneRow = alone.data();
+          sdpa::internal::decodeLogitsByKey(rowsA.data() + r, 1, k.data(), d, d, n, &aloneRow);
+          CHECK(std::equal(alone.begin(), alone.end(), s.begin() + r * n));
+          for (Index j = 0; j < n; ++j) checkDot(s[size_t(r * n + j)], a.data() + r * d, 1, k.data() + j * d, 1, d);
         }
       });
     }

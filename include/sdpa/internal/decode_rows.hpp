@@ -3,7 +3,7 @@
 
 // Decoding's row kernels: a few query rows (at most 4 per pass: one head, a GQA group's heads, a
 // few tokens) against keys stored column by column (key j, channel c at j + c ld), each column
-// block loaded once for all the rows; from 8 rows on, wide register blocks (decode_cache_isa.inc,
+// block loaded once for all the rows; from 5 rows on, wide register blocks (decode_cache_isa.inc,
 // built here too). Both decoding paths use them: over plain matrices (forward_tiled.hpp's
 // streamDecode) and over a KvCache's pieces (decode_cache.hpp, which adds its span-wise values
 // and its short pieces).
@@ -182,11 +182,12 @@ inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Ind
 }
 
 /**
- * decodeLogitsRows's wide blocks (8 rows at a time, from 8 rows on) for column-major half or
- * bfloat16 k, widened in registers where the ISA instance loads them (AVX2, AVX-512); returns
- * the rows it took, 0 elsewhere. The same arithmetic as half_columns' kernels, which take the
- * other rows: each packet of keys widened once for 8 rows instead of 4, the partial sums over
- * 32 columns in registers instead of loaded and stored every 8.
+ * decodeLogitsRows's wide blocks (8 rows at a time and the rest in the same pass, from 5 rows
+ * on) for column-major half or bfloat16 k, widened in registers where the ISA instance loads
+ * them (AVX2, AVX-512); returns the rows it took (all of them, or 0 for fewer rows and
+ * elsewhere). The same arithmetic as half_columns' kernels, which take the other calls: each
+ * packet of keys widened once for up to 8 rows instead of 4, the partial sums over 32 columns
+ * in registers instead of loaded and stored every 8.
  */
 template <typename H>
 Index decodeHalfLogitsWide(const float* const* a, Index R, const H* k, Index ldk, Index d, Index n, float* const* s) {
@@ -207,6 +208,44 @@ Index decodeHalfLogitsWide(const float* const* a, Index R, const H* k, Index ldk
 inline void decodeValuesRows(const float* const* p, Index R, const float* v, Index ldv, Index dV, Index n,
                              float* const* dots) {
   withDecodeSimd([&](auto simd) { matrixValues(simd, p, R, v, ldv, dV, n, dots); });
+}
+
+/**
+ * Decoding's logits for R query rows over n keys of row-major k (key j's d values at k + j ldk):
+ * s[r][j] += q_r . k_j, each key's dot in vector partial sums over the columns, reduced,
+ * whatever R, the key's place in a block or the stride (a head of a packed batch gives the
+ * single head's bits). Dispatched as the column kernels: Eigen's matrix-vector product runs at
+ * the build's ISA (a build without -march decoded row-major float K/V 2.1-2.5x slower on a
+ * Sapphire Rapids Xeon, session 38). T: float, or half / bfloat16 widened in registers where the
+ * ISA instance loads them (AVX2, AVX-512); returns whether it ran (not for half elsewhere).
+ */
+template <typename T>
+bool decodeLogitsByKey(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s) {
+  bool done = false;
+  withDecodeSimd([&](auto simd) {
+    if constexpr (std::is_same_v<T, float> || decltype(simd)::kHalfLoads) {
+      logitsByKey(simd, a, R, k, ldk, d, n, s);
+      done = true;
+    }
+  });
+  return done;
+}
+
+/**
+ * Decoding's weighted values for R rows of weights p over n keys of row-major v (key j's values
+ * at v + j ldv): dots[r][c] = sum_j p[r][j] v[j ldv + c], each a chain of fused multiply-adds
+ * in key order (the same bits on AVX2 and AVX-512); T and the result as decodeLogitsByKey's.
+ */
+template <typename T>
+bool decodeValuesByKey(const float* const* p, Index R, const T* v, Index ldv, Index dV, Index n, float* const* dots) {
+  bool done = false;
+  withDecodeSimd([&](auto simd) {
+    if constexpr (std::is_same_v<T, float> || decltype(simd)::kHalfLoads) {
+      valuesByKey(simd, p, R, v, ldv, dV, n, dots);
+      done = true;
+    }
+  });
+  return done;
 }
 
 }  // namespace sdpa::internal

@@ -119,6 +119,17 @@ struct forward_tiled_impl {
     return m;
   }
 
+  /// Decoding's row pointers for the row kernels: sc.rowsA[r] = qs's row r, sc.rowsS[r] = s's.
+  template <typename QS, typename S>
+  static void setRows(const QS& qs, S& s, Scratch& sc) {
+    sc.rowsA.resize(size_t(qs.rows()));
+    sc.rowsS.resize(size_t(qs.rows()));
+    for (Index r = 0; r < qs.rows(); ++r) {
+      sc.rowsA[size_t(r)] = &qs(r, 0);
+      sc.rowsS[size_t(r)] = &s(r, 0);
+    }
+  }
+
   /// A column segment of k or v in Acc: itself, or converted into buf. A separate conversion
   /// pass is vectorised by Eigen 3.4 where a cast inside a larger expression is not (5x slower).
   template <typename Segment>
@@ -323,13 +334,18 @@ struct forward_tiled_impl {
       if (decode) {
         const auto kChunk = k.middleRows(j0, cols);  // cols x d_k, each column contiguous (or row)
         if constexpr (IsHalfScalar<In> && !ColumnsAre<DK>::contiguous) {
-          // Row-major half storage: blocks of key rows converted (within L1/L2), each a
+          // Row-major half storage: the row kernels by keys, each packet widened in registers
+          // (AVX2, AVX-512); elsewhere blocks of key rows converted (within L1/L2), each a
           // matrix-vector product per query row.
-          for (Index b = 0; b < cols; b += kRowBlock) {
-            const Index n = std::min(kRowBlock, cols - b);
-            const auto kt = rowMajorRowsAsAcc(kChunk, b, n, sc.k);
-            for (Index r = 0; r < bq; ++r) s.row(r).segment(b, n).transpose().noalias() = kt * qs.row(r).transpose();
-          }
+          setRows(qs, s, sc);
+          s.setZero();
+          if (!decodeLogitsByKey(sc.rowsA.data(), bq, &kChunk.coeffRef(0, 0), k.derived().outerStride(), dK, cols,
+                                 sc.rowsS.data()))
+            for (Index b = 0; b < cols; b += kRowBlock) {
+              const Index n = std::min(kRowBlock, cols - b);
+              const auto kt = rowMajorRowsAsAcc(kChunk, b, n, sc.k);
+              for (Index r = 0; r < bq; ++r) s.row(r).segment(b, n).transpose().noalias() = kt * qs.row(r).transpose();
+            }
         } else if constexpr (IsHalfScalar<In>) {
           s.setZero();
           if (halfPath != half_columns::Path::None) {
@@ -350,18 +366,18 @@ struct forward_tiled_impl {
             logitsByColumn(k, qs, j0, cols, s, sc);
           }
         } else if constexpr (std::is_same_v<In, float>) {
-          if (cols == 1) {
-            // One key: Eigen turns the product of a one-row block into a dot product whose code
-            // depends on the block's type and stride (a contiguous row, or a row of a packed
-            // batch), and with FMA the rounding does too. Copied, the same plain dot for every
-            // caller: a head of a batch gives the bits of the single-head call.
-            Eigen::Map<Vector<Acc>> kRow(sc.k.get(dK), dK);
-            kRow = kChunk.row(0).transpose();
-            for (Index r = 0; r < bq; ++r) s(r, 0) = Eigen::Map<const Vector<Acc>>(&qs(r, 0), dK).dot(kRow);
-          } else {
-            // Eigen's matrix-vector product streams several columns of k at once.
-            for (Index r = 0; r < bq; ++r) s.row(r).transpose().noalias() = kChunk * qs.row(r).transpose();
-          }
+          // Float k stored by keys (row-major: numpy's and PyTorch's layout), or by columns
+          // beside v stored by keys: decoding's row kernels, chosen at run time as the column
+          // kernels are (Eigen's matrix-vector product runs at the build's ISA), each key's
+          // logit the same arithmetic whatever its stride (a head of a packed batch gives the
+          // single head's bits).
+          setRows(qs, s, sc);
+          s.setZero();
+          const Acc* kc = &kChunk.coeffRef(0, 0);
+          if constexpr (ColumnsAre<DK>::contiguous)
+            decodeLogitsRows(sc.rowsA.data(), bq, kc, k.derived().outerStride(), dK, cols, sc.rowsS.data());
+          else
+            decodeLogitsByKey(sc.rowsA.data(), bq, kc, k.derived().outerStride(), dK, cols, sc.rowsS.data());
         } else {
           s.setZero();
           logitsByColumn(k, qs, j0, cols, s, sc);
@@ -379,7 +395,26 @@ struct forward_tiled_impl {
         // pays for the (scalar) select.
         const auto vChunk = v.middleRows(j0, cols);
         Acc* dotsAll = sc.v.get(bq * dV);
-        bool allRows = false;  // every row's dots computed at once (half storage's column kernels)
+        bool allRows = false;  // every row's dots computed at once (the row kernels)
+        if constexpr (std::is_same_v<In, float> || !ColumnsAre<DV>::contiguous) {
+          // As k's logits: the row kernels by keys (row-major v; half where they widen it in
+          // registers) or by columns.
+          sc.rowsA.resize(size_t(bq));
+          sc.rowsD.resize(size_t(bq));
+          for (Index r = 0; r < bq; ++r) {
+            sc.rowsA[size_t(r)] = &s(r, 0);
+            sc.rowsD[size_t(r)] = dotsAll + r * dV;
+          }
+          const In* vc = &vChunk.coeffRef(0, 0);
+          if constexpr (!ColumnsAre<DV>::contiguous) {
+            if constexpr (std::is_same_v<In, float> || IsHalfScalar<In>)
+              allRows =
+                  decodeValuesByKey(sc.rowsA.data(), bq, vc, v.derived().outerStride(), dV, cols, sc.rowsD.data());
+          } else {
+            decodeValuesRows(sc.rowsA.data(), bq, vc, v.derived().outerStride(), dV, cols, sc.rowsD.data());
+            allRows = true;
+          }
+        }
         if constexpr (IsHalfScalar<In> && ColumnsAre<DV>::contiguous) {
           if (halfPath != half_columns::Path::None) {
             // Each packet of v widened once for up to 8 rows (dotAllRows: dotAll's bits row by row).
@@ -404,9 +439,7 @@ struct forward_tiled_impl {
                 const Index n = std::min(kRowBlock, cols - b);
                 dots.transpose().noalias() += s.row(r).segment(b, n) * rowMajorRowsAsAcc(vChunk, b, n, sc.v2);
               }
-            } else if constexpr (std::is_same_v<In, float>) {
-              dots.transpose().noalias() = s.row(r) * vChunk;
-            } else {
+            } else if constexpr (!std::is_same_v<In, float>) {
               for (Index c = 0; c < dV; ++c) dots(c) = s.row(r).dot(columnAsAcc(vChunk.col(c), sc.k).transpose());
             }
           }
@@ -438,7 +471,7 @@ struct forward_tiled_impl {
    * kWideHalfRows, where the keys outnumber the rows kManyKeys times (multi-token or
    * speculative decoding, a short chunk of a long prompt).
    * Decoding reads each chunk of k and v once for all the rows (float: in wide register blocks
-   * from 8 rows on; half: each packet widened once for up to 4 or 8 rows); the prefill kernel
+   * from 5 rows on; half: each packet widened once for up to 4 or 8 rows); the prefill kernel
    * packs (or converts) all of k and v for each query block, scans k for its bounds and runs a
    * block on one thread.
    * bench_decode's BM_DecodeQueryRows (d 128, causal, 65536 keys; session 35): one thread, 16
