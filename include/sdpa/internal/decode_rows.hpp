@@ -168,6 +168,22 @@ void withDecodeSimd(F&& f) {
 }
 
 /**
+ * withDecodeSimd for kernels that read T: float on every instance, half and bfloat16 where the
+ * instance widens them in registers (Simd::kHalfLoads: AVX2, AVX-512); returns whether f ran.
+ */
+template <typename T, typename F>
+bool withDecodeSimdReading(F&& f) {
+  bool done = false;
+  withDecodeSimd([&](auto simd) {
+    if constexpr (std::is_same_v<T, float> || decltype(simd)::kHalfLoads) {
+      f(simd);
+      done = true;
+    }
+  });
+  return done;
+}
+
+/**
  * Decoding's logits for R query rows over n keys of column-major float k (column stride ldk):
  * s[r][j] += sum_c a[r][c] k[j + c ldk], by one fused multiply-add per column in the order
  * c = 0..d-1 for every (row, key), whatever R and whichever rows share a pass. So a query head's
@@ -192,9 +208,7 @@ inline void decodeLogitsRows(const float* const* a, Index R, const float* k, Ind
 template <typename H>
 Index decodeHalfLogitsWide(const float* const* a, Index R, const H* k, Index ldk, Index d, Index n, float* const* s) {
   Index done = 0;
-  withDecodeSimd([&](auto simd) {
-    if constexpr (decltype(simd)::kHalfLoads) done = matrixLogitsWide(simd, a, R, k, ldk, d, n, s);
-  });
+  withDecodeSimdReading<H>([&](auto simd) { done = matrixLogitsWide(simd, a, R, k, ldk, d, n, s); });
   return done;
 }
 
@@ -215,20 +229,13 @@ inline void decodeValuesRows(const float* const* p, Index R, const float* v, Ind
  * s[r][j] += q_r . k_j, each key's dot in vector partial sums over the columns, reduced,
  * whatever R, the key's place in a block or the stride (a head of a packed batch gives the
  * single head's bits). Dispatched as the column kernels: Eigen's matrix-vector product runs at
- * the build's ISA (a build without -march decoded row-major float K/V 2.1-2.5x slower on a
+ * the build's ISA (a build without -march decoded row-major float K/V 2.7x slower on a
  * Sapphire Rapids Xeon, session 38). T: float, or half / bfloat16 widened in registers where the
  * ISA instance loads them (AVX2, AVX-512); returns whether it ran (not for half elsewhere).
  */
 template <typename T>
 bool decodeLogitsByKey(const float* const* a, Index R, const T* k, Index ldk, Index d, Index n, float* const* s) {
-  bool done = false;
-  withDecodeSimd([&](auto simd) {
-    if constexpr (std::is_same_v<T, float> || decltype(simd)::kHalfLoads) {
-      logitsByKey(simd, a, R, k, ldk, d, n, s);
-      done = true;
-    }
-  });
-  return done;
+  return withDecodeSimdReading<T>([&](auto simd) { logitsByKey(simd, a, R, k, ldk, d, n, s); });
 }
 
 /**
@@ -238,14 +245,7 @@ bool decodeLogitsByKey(const float* const* a, Index R, const T* k, Index ldk, In
  */
 template <typename T>
 bool decodeValuesByKey(const float* const* p, Index R, const T* v, Index ldv, Index dV, Index n, float* const* dots) {
-  bool done = false;
-  withDecodeSimd([&](auto simd) {
-    if constexpr (std::is_same_v<T, float> || decltype(simd)::kHalfLoads) {
-      valuesByKey(simd, p, R, v, ldv, dV, n, dots);
-      done = true;
-    }
-  });
-  return done;
+  return withDecodeSimdReading<T>([&](auto simd) { valuesByKey(simd, p, R, v, ldv, dV, n, dots); });
 }
 
 }  // namespace sdpa::internal

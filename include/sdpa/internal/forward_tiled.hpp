@@ -119,7 +119,8 @@ struct forward_tiled_impl {
     return m;
   }
 
-  /// Decoding's row pointers for the row kernels: sc.rowsA[r] = qs's row r, sc.rowsS[r] = s's.
+  /// Decoding's row pointers for the logits' row kernels: sc.rowsA[r] = qs's row r, sc.rowsS[r]
+  /// = s's.
   template <typename QS, typename S>
   static void setRows(const QS& qs, S& s, Scratch& sc) {
     sc.rowsA.resize(size_t(qs.rows()));
@@ -127,6 +128,17 @@ struct forward_tiled_impl {
     for (Index r = 0; r < qs.rows(); ++r) {
       sc.rowsA[size_t(r)] = &qs(r, 0);
       sc.rowsS[size_t(r)] = &s(r, 0);
+    }
+  }
+  /// ... and for the values': sc.rowsA[r] = s's row r (the weights), sc.rowsD[r] = its dots (d_v
+  /// apart from dots).
+  template <typename S>
+  static void setValueRows(const S& s, Acc* dots, Index dV, Scratch& sc) {
+    sc.rowsA.resize(size_t(s.rows()));
+    sc.rowsD.resize(size_t(s.rows()));
+    for (Index r = 0; r < s.rows(); ++r) {
+      sc.rowsA[size_t(r)] = &s(r, 0);
+      sc.rowsD[size_t(r)] = dots + r * dV;
     }
   }
 
@@ -351,12 +363,7 @@ struct forward_tiled_impl {
           if (halfPath != half_columns::Path::None) {
             // Every row in one pass over each column block, each packet widened once for up to
             // 4 rows (axpyAllRows: the bits of axpyAll row by row), or 8 in the wide blocks.
-            sc.rowsA.resize(size_t(bq));
-            sc.rowsS.resize(size_t(bq));
-            for (Index r = 0; r < bq; ++r) {
-              sc.rowsA[size_t(r)] = &qs(r, 0);
-              sc.rowsS[size_t(r)] = &s(r, 0);
-            }
+            setRows(qs, s, sc);
             const In* kc = &kChunk.coeffRef(0, 0);
             const Index ldk = k.derived().outerStride();
             const Index wide = decodeHalfLogitsWide(sc.rowsA.data(), bq, kc, ldk, dK, cols, sc.rowsS.data());
@@ -396,36 +403,23 @@ struct forward_tiled_impl {
         const auto vChunk = v.middleRows(j0, cols);
         Acc* dotsAll = sc.v.get(bq * dV);
         bool allRows = false;  // every row's dots computed at once (the row kernels)
-        if constexpr (std::is_same_v<In, float> || !ColumnsAre<DV>::contiguous) {
+        const In* vc = &vChunk.coeffRef(0, 0);
+        const Index ldv = v.derived().outerStride();
+        if constexpr (!ColumnsAre<DV>::contiguous && (std::is_same_v<In, float> || IsHalfScalar<In>)) {
           // As k's logits: the row kernels by keys (row-major v; half where they widen it in
-          // registers) or by columns.
-          sc.rowsA.resize(size_t(bq));
-          sc.rowsD.resize(size_t(bq));
-          for (Index r = 0; r < bq; ++r) {
-            sc.rowsA[size_t(r)] = &s(r, 0);
-            sc.rowsD[size_t(r)] = dotsAll + r * dV;
-          }
-          const In* vc = &vChunk.coeffRef(0, 0);
-          if constexpr (!ColumnsAre<DV>::contiguous) {
-            if constexpr (std::is_same_v<In, float> || IsHalfScalar<In>)
-              allRows =
-                  decodeValuesByKey(sc.rowsA.data(), bq, vc, v.derived().outerStride(), dV, cols, sc.rowsD.data());
-          } else {
-            decodeValuesRows(sc.rowsA.data(), bq, vc, v.derived().outerStride(), dV, cols, sc.rowsD.data());
-            allRows = true;
-          }
-        }
-        if constexpr (IsHalfScalar<In> && ColumnsAre<DV>::contiguous) {
+          // registers).
+          setValueRows(s, dotsAll, dV, sc);
+          allRows = decodeValuesByKey(sc.rowsA.data(), bq, vc, ldv, dV, cols, sc.rowsD.data());
+        } else if constexpr (std::is_same_v<In, float>) {
+          // Column-major v beside row-major k: the column kernels.
+          setValueRows(s, dotsAll, dV, sc);
+          decodeValuesRows(sc.rowsA.data(), bq, vc, ldv, dV, cols, sc.rowsD.data());
+          allRows = true;
+        } else if constexpr (IsHalfScalar<In>) {
           if (halfPath != half_columns::Path::None) {
             // Each packet of v widened once for up to 8 rows (dotAllRows: dotAll's bits row by row).
-            sc.rowsA.resize(size_t(bq));
-            sc.rowsD.resize(size_t(bq));
-            for (Index r = 0; r < bq; ++r) {
-              sc.rowsA[size_t(r)] = &s(r, 0);
-              sc.rowsD[size_t(r)] = dotsAll + r * dV;
-            }
-            half_columns::dotAllRows(halfPath, sc.rowsA.data(), 0, bq, &vChunk.coeffRef(0, 0),
-                                     v.derived().outerStride(), dV, cols, sc.rowsD.data());
+            setValueRows(s, dotsAll, dV, sc);
+            half_columns::dotAllRows(halfPath, sc.rowsA.data(), 0, bq, vc, ldv, dV, cols, sc.rowsD.data());
             allRows = true;
           }
         }
