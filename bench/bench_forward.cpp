@@ -182,12 +182,15 @@ void BM_ForwardSink(benchmark::State& state) {
 }
 
 /// What a DiagnosticsSink adds besides the per-row figures: the per-head inputs of the
-/// summaries (Var(q), Var(k), the centred d x d Gram matrices of q and k: internal::moments, twice
-/// per head), GFLOP/s counted as the Gram matrices' lower halves, 2 n d^2 for the two; "xForward":
-/// their time over one forward of the same shape (no sink), timed beside them (median of 5).
-/// args: n, d
+/// summaries (internal::moments of q and of k, and <Gq, Gk>_F). gram 0: from the rows' raw sums
+/// (streamedInner, O(n d), a sink where every row sees every key); gram 1: from the centred
+/// d x d Gram matrices (O(n d^2), a sink under a mask or over a batch). GFLOP/s counted as the
+/// Gram matrices' lower halves, 2 n d^2 for the two, either way; "xForward": their time over one
+/// forward of the same shape (no sink), timed beside them (median of 5).
+/// args: n, d, gram
 void BM_SinkMoments(benchmark::State& state) {
   const Index n = state.range(0), d = state.range(1);
+  const bool gram = state.range(2) != 0;
   sdpa_bench::setThreads(1);
   const Eigen::MatrixXf q = input(n, d, 1), k = input(n, d, 2), v = input(n, d, 3);
   const auto timeOf = [&](auto&& f) {
@@ -195,10 +198,12 @@ void BM_SinkMoments(benchmark::State& state) {
     return sdpa_bench::medianSeconds(f, 5);
   };
   const double forward = timeOf([&] { benchmark::DoNotOptimize(sdpa::attentionForward(q, k, v).output.data()); });
+  const double sumR2 = (q * k.transpose()).squaredNorm();  // what the rows would give
   const sdpa_bench::LoopTimer timer;
   for (auto _ : state) {
-    benchmark::DoNotOptimize(sdpa::internal::moments(q).variance);
-    benchmark::DoNotOptimize(sdpa::internal::moments(k).variance);
+    const sdpa::internal::Moments mq = sdpa::internal::moments(q, gram), mk = sdpa::internal::moments(k, gram);
+    benchmark::DoNotOptimize(gram ? sdpa::internal::gramInner(mq, mk)
+                                  : sdpa::internal::streamedInner(sumR2, q, mq, k, mk));
   }
   state.counters["GFLOPS"] =
       benchmark::Counter(2.0 * double(n) * double(d) * double(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -292,8 +297,8 @@ BENCHMARK(BM_ForwardSink)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SinkMoments)
-    ->ArgNames({"n", "d"})
-    ->ArgsProduct({{1024, 4096}, {64, 128}})
+    ->ArgNames({"n", "d", "gram"})
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForwardLayout)

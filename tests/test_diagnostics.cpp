@@ -291,6 +291,98 @@ TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the fold
   }
 }
 
+namespace {
+
+/// d <Gq, Gk>_F / (tr Gq tr Gk) in double from the centred inputs, and the factor C by which a
+/// Gram entry's relative rounding can grow in the ratio: sum_ab (|Gq|_ab |Gk_ab| + |Gq_ab| |Gk|_ab)
+/// over 2 <Gq, Gk>, with |G|_ab = sum_i |x_ia x_ib| (1 for isotropic inputs, more where the
+/// Gram matrices' off-diagonal entries cancel).
+std::pair<double, double> centredRatioOf(const Mat<double>& q, const Mat<double>& k) {
+  const Mat<double> qc = q.rowwise() - q.colwise().mean(), kc = k.rowwise() - k.colwise().mean();
+  const Mat<double> gq = qc.transpose() * qc, gk = kc.transpose() * kc;
+  const Mat<double> aq = qc.cwiseAbs().transpose() * qc.cwiseAbs(), ak = kc.cwiseAbs().transpose() * kc.cwiseAbs();
+  const double inner = gq.cwiseProduct(gk).sum();
+  const double spread = (aq.cwiseProduct(gk.cwiseAbs()).sum() + gq.cwiseAbs().cwiseProduct(ak).sum()) / (2 * inner);
+  return {double(q.cols()) * inner / (gq.trace() * gk.trace()), spread};
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "a sink's centred variance ratio: from the rows' raw sums where every row sees every key, "
+    "else from the Gram matrices  [seed C3]",
+    "[diagnostics][sink]", float, double) {
+  using T = TestType;
+  const Index H = 4, G = 2, dK = 24, nQ = 70, nK = 300;
+  const double u = std::numeric_limits<T>::epsilon() / 2;
+  // Means of 0.4 in q and 0.3 in k: the streamed form's terms of the means matter (a tenth of
+  // sum r^2) and it is taken (sum r^2 under kStreamedLoss x <Gq, Gk>).
+  const Mat<double> qd = (randn<double>(nQ, H * dK, 31).array() + 0.4).matrix();
+  const Mat<double> kd = (randn<double>(nK, G * dK, 32).array() + 0.3).matrix(), vd = randn<double>(nK, G * 8, 33);
+  const Mat<T> q = qd.cast<T>(), k = kd.cast<T>(), v = vd.cast<T>();
+  // The streamed form: sum r^2 summed in T over a row's keys and d_k products, the subtraction
+  // losing up to kStreamedLoss of it; the Gram matrices' entries: kMomentRows products in T.
+  const double steps = double(nK + sdpa::internal::kMomentRows + dK + 2);
+  const auto head = [&](const Mat<double>& x, Index h) { return Mat<double>(x.middleCols(h * dK, dK)); };
+  const auto check = [&](const sdpa::DiagnosticsSink& sink, const Mat<double>& qx, const Mat<double>& kx) {
+    for (Index h = 0; h < H; ++h) {
+      const auto [want, spread] = centredRatioOf(head(qx, h), head(kx, h / (H / G)));
+      INFO("head " << h << ": " << sink.inputs(h).centredRatio << " against " << want);
+      CHECK(std::abs(sink.inputs(h).centredRatio - want) <=
+            sdpa::internal::kStreamedLoss * steps * u * spread * std::abs(want));
+    }
+  };
+  const auto gramRatio = [&](const Mat<T>& qx, const Mat<T>& kx, Index h) {
+    const Mat<T> qh = qx.middleCols(h * dK, dK), kh = kx.middleCols(h / (H / G) * dK, dK);
+    return sdpa::internal::headInputs(qh, kh, 1.0).centredRatio;
+  };
+  forEachKernel([&](const auto& kern, const char* name) {
+    INFO(name);
+    SECTION("every row sees every key: the rows' raw sums") {
+      for (Index h = 0; h < H; ++h) {
+        const Mat<T> qh = q.middleCols(h * dK, dK), kh = k.middleCols(h / (H / G) * dK, dK);
+        double sumR2 = 0;
+        for (Index i = 0; i < nQ; ++i)
+          for (Index j = 0; j < nK; ++j) sumR2 += std::pow(head(qd, h).row(i).dot(head(kd, h / (H / G)).row(j)), 2);
+        CHECK(std::isfinite(sdpa::internal::streamedInner(sumR2, qh, sdpa::internal::moments(qh, false), kh,
+                                                          sdpa::internal::moments(kh, false))));
+      }
+      sdpa::DiagnosticsSink sink;
+      sdpa::multiHeadAttentionForward(kern, q, k, v, sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {}, &sink);
+      check(sink, qd, kd);
+      if constexpr (std::is_same_v<T, float>) {  // half inputs, widened a block at a time
+        const Mat<Eigen::half> qh = qd.cast<Eigen::half>(), kh = kd.cast<Eigen::half>(), vh = vd.cast<Eigen::half>();
+        sdpa::multiHeadAttentionForward(kern, qh, kh, vh, sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {},
+                                        &sink);
+        check(sink, qh.cast<double>(), kh.cast<double>());
+      }
+      // A softcap and a bias: the raw sums are the products', not the logits / tau.
+      const Mat<T> bias = randn<double>(nQ, nK, 34).cast<T>();
+      sdpa::multiHeadAttentionForward(kern, q, k, v, sdpa::Heads{H, G}, scale::InvSqrtDk{},
+                                      mask::combine(mask::Softcap{3.0}, mask::Bias{bias}), {}, &sink);
+      check(sink, qd, kd);
+    }
+    SECTION("a mask, a batch of two, or means that carry most of r: the Gram matrices") {
+      sdpa::DiagnosticsSink sink;
+      sdpa::multiHeadAttentionForward(kern, q, k, v, sdpa::Heads{H, G}, scale::InvSqrtDk{},
+                                      mask::Causal{Align::LowerRight}, {}, &sink);
+      check(sink, qd, kd);
+      for (Index h = 0; h < H; ++h) CHECK(sink.inputs(h).centredRatio == gramRatio(q, k, h));
+      // Two items: the pairs across them are no row's, and the ratio is the whole inputs'.
+      sdpa::batchedAttentionForward(kern, q, k, v, sdpa::BatchLayout::varlen({0, 30, nQ}, {0, 100, nK}),
+                                    sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {}, &sink);
+      check(sink, qd, kd);
+      for (Index h = 0; h < H; ++h) CHECK(sink.inputs(h).centredRatio == gramRatio(q, k, h));
+      // k's mean of 4 in every column: sum r^2 is hundreds of times <Gq, Gk>.
+      const Mat<double> kShifted = (kd.array() + 3.7).matrix();
+      const Mat<T> ks = kShifted.cast<T>();
+      sdpa::multiHeadAttentionForward(kern, q, ks, v, sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {}, &sink);
+      check(sink, qd, kShifted);
+      for (Index h = 0; h < H; ++h) CHECK(sink.inputs(h).centredRatio == gramRatio(q, ks, h));
+    }
+  });
+}
+
 TEST_CASE("known cases: uniform attention, one-hot attention, identical heads  [seed C5, C6, C18]", "[diagnostics]") {
   SECTION("q = 0: every logit 0, uniform attention, H = log n") {
     const auto d = sdpa::diagnose(Mat<double>::Zero(5, 4), randn<double>(20, 4, 1));

@@ -181,6 +181,7 @@ TEST_CASE("the diagnostics' centred Gram matrices on every ISA path: within floa
         CHECK(((got.gram - lower).cwiseAbs().array() <= bound.array()).all());
         CHECK(got.gram.triangularView<Eigen::StrictlyUpper>().toDenseMatrix().isZero(0));
         CHECK(std::abs(got.variance - variance) <= varianceBound);
+        CHECK(std::abs(got.trace - gram.trace()) <= bound.trace());
       };
       check(sdpa::internal::moments(Mat<float>(wide.leftCols(d))), "column-major");
       check(sdpa::internal::moments(rowMajor), "row-major");

@@ -10,6 +10,8 @@
  * item.
  */
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -38,29 +40,70 @@ void checkForward(const char* where, Index qRows, Index qCols, Index kRows, Inde
   mask.check(where, qRows, kRows);
 }
 
-/**
- * Sizes `sink` for a call of `heads` query heads over q's rows and records each head's inputs
- * (q and k's head blocks and tau, for the summaries); returns each query head's rows, which the
- * kernel fills.
- */
-template <typename Acc, typename DQ, typename DK>
-std::vector<RowStats*> startSink(DiagnosticsSink& sink, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                 const Heads& heads, Index dK, const HeadTaus<Acc>& taus) {
+/// A DiagnosticsSink's state between startSink and finishSink: each query head's rows, which
+/// the kernel fills, and the O(n d_k) moments of each query head's q, then each kv head's k.
+struct SinkStart {
+  std::vector<RowStats*> rows;
+  std::vector<Moments> moments;
+};
+
+/// Sizes `sink` for a call of `heads` query heads over q's rows; the moments are taken on the
+/// threads the forward will use.
+template <typename DQ, typename DK>
+SinkStart startSink(DiagnosticsSink& sink, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Heads& heads, Index dK) {
   sink.start(heads.query, q.rows());
-  std::vector<RowStats*> rows(size_t(heads.query));
-  // Each query head's moments, then each kv head's (once for the group's heads), on the threads
-  // the forward will use: O(n d_k^2) each, a tenth of the forward's work at n = 1024, d_k = 128.
-  std::vector<Moments> m(size_t(heads.query + heads.keyValue));
-  parallelFor(Index(m.size()), maxThreads(), [&](Index i) {
-    m[size_t(i)] =
-        i < heads.query ? moments(q.middleCols(i * dK, dK)) : moments(k.middleCols((i - heads.query) * dK, dK));
+  SinkStart s{std::vector<RowStats*>(size_t(heads.query)), std::vector<Moments>(size_t(heads.query + heads.keyValue))};
+  parallelFor(Index(s.moments.size()), maxThreads(), [&](Index i) {
+    s.moments[size_t(i)] = i < heads.query ? moments(q.middleCols(i * dK, dK), false)
+                                           : moments(k.middleCols((i - heads.query) * dK, dK), false);
+  });
+  for (Index h = 0; h < heads.query; ++h) s.rows[size_t(h)] = sink.rows(h).data();
+  return s;
+}
+
+/**
+ * Records each head's inputs of the summaries (HeadInputs) once the kernel has filled its rows.
+ * <Gq, Gk>_F comes from the rows' raw sums (streamedInner, O(n d_k)) where every row saw every
+ * key and the means do not dominate; else from the centred Gram matrices (O(n d_k^2) a head,
+ * a tenth of the forward's work at n = 1024, d_k = 128), each kv head's once for its group.
+ */
+template <typename DQ, typename DK, typename Acc>
+void finishSink(DiagnosticsSink& sink, SinkStart& s, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                const Heads& heads, Index dK, const HeadTaus<Acc>& taus) {
+  const Index nQ = q.rows(), nK = k.rows();
+  // Moments i's head block: q's for i < H, else k's (of kv head i - H).
+  const auto onBlock = [&](Index i, auto&& f) {
+    if (i < heads.query) return f(q.middleCols(i * dK, dK));
+    return f(k.middleCols((i - heads.query) * dK, dK));
+  };
+  const auto kvOf = [&](Index h) { return heads.query + h / heads.groupSize(); };
+  std::vector<double> inner(size_t(heads.query), 0.0);
+  std::vector<Index> grams;  // the moments whose Gram matrix a head needs
+  for (Index h = 0; h < heads.query && nQ > 1 && nK > 1; ++h) {
+    const std::vector<RowStats>& rows = sink.rows(h);
+    double& x = inner[size_t(h)];
+    x = std::numeric_limits<double>::quiet_NaN();
+    if (std::all_of(rows.begin(), rows.end(), [&](const RowStats& r) { return r.visible == nK; })) {
+      double sumR2 = 0;
+      for (const RowStats& r : rows) sumR2 += r.rawSumSq;
+      const Index g = kvOf(h);
+      x = streamedInner(sumR2, q.middleCols(h * dK, dK), s.moments[size_t(h)], k.middleCols((g - heads.query) * dK, dK),
+                        s.moments[size_t(g)]);
+    }
+    if (!(x >= 0)) grams.insert(grams.end(), {h, kvOf(h)});
+  }
+  std::sort(grams.begin(), grams.end());
+  grams.erase(std::unique(grams.begin(), grams.end()), grams.end());
+  parallelFor(Index(grams.size()), maxThreads(), [&](Index j) {
+    Moments& m = s.moments[size_t(grams[size_t(j)])];
+    m.gram = onBlock(grams[size_t(j)], [&](const auto& x) { return centredGram(x, m.mean); });
   });
   for (Index h = 0; h < heads.query; ++h) {
-    sink.inputs(h) = headInputs(m[size_t(h)], m[size_t(heads.query + h / heads.groupSize())], dK, q.rows(), k.rows(),
-                                double(taus.tau(h)));
-    rows[size_t(h)] = sink.rows(h).data();
+    const Moments &mq = s.moments[size_t(h)], &mk = s.moments[size_t(kvOf(h))];
+    if (!(inner[size_t(h)] >= 0)) inner[size_t(h)] = gramInner(mq, mk);
+    sink.inputs(h) = headInputs(mq, mk, inner[size_t(h)], dK, nQ, nK, double(taus.tau(h)));
   }
-  return rows;
 }
 
 /// Checks the packed shapes against the head layout and returns each head's d_k and d_v.
@@ -102,7 +145,8 @@ void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, cons
                       const Dropout& dropout, const BatchLayout& layout, Eigen::Ref<Matrix<Scalar>> out,
                       Eigen::Ref<Matrix<Scalar>> lse, DiagnosticsSink* sink) {
   typename forward_naive_impl<Scalar>::Scratch scratch;
-  if (sink) startSink<Scalar>(*sink, q, k, heads, dims.dK, taus);
+  SinkStart started;
+  if (sink) started = startSink(*sink, q, k, heads, dims.dK);
   forEachItemHead(layout, heads, [&](const ItemHead& u) {
     forward_naive_impl<Scalar>::run(
         headBlock(q, u.q0, u.head * dims.dK, u.nQ, dims.dK), headBlock(k, u.k0, u.kvHead * dims.dK, u.nK, dims.dK),
@@ -110,6 +154,7 @@ void multiHeadForward(const ConstRef<Scalar>& q, const ConstRef<Scalar>& k, cons
         u.q0, u.k0, headBlock(out, u.q0, u.head * dims.dV, u.nQ, dims.dV), lse.col(u.head).segment(u.q0, u.nQ), scratch,
         sink ? &sink->rows(u.head) : nullptr);
   });
+  if (sink) finishSink(*sink, started, q, k, heads, dims.dK, taus);
 }
 
 inline void checkLayout(const char* where, const BatchLayout& l, Index qRows, Index kRows) {
@@ -176,14 +221,16 @@ void batchedForwardInto(const char* where, const Kernel& kern, const Eigen::Matr
                             });
   } else {
     if constexpr (std::is_same_v<Kernel, kernel::Tiled>) {
-      const std::vector<RowStats*> rows =
-          sink ? startSink<Acc>(*sink, q, k, heads, dims.dK, taus) : std::vector<RowStats*>{};
+      SinkStart started;
+      if (sink) started = startSink(*sink, q, k, heads, dims.dK);
       withInputViews<In>(
           [&](const auto& qv, const auto& kv, const auto& vv) {
             forwardTiled<In, Out, std::decay_t<decltype(qv)>, std::decay_t<decltype(kv)>, std::decay_t<decltype(vv)>>(
-                kern, qv, kv, vv, layout, heads, dims, taus, mask, dropout, out, lse, sink ? rows.data() : nullptr);
+                kern, qv, kv, vv, layout, heads, dims, taus, mask, dropout, out, lse,
+                sink ? started.rows.data() : nullptr);
           },
           q, k, v);
+      if (sink) finishSink(*sink, started, q, k, heads, dims.dK, taus);
     } else if constexpr (std::is_same_v<Out, Acc>) {
       multiHeadForward<Acc>(q.template cast<Acc>(), k.template cast<Acc>(), v.template cast<Acc>(), heads, dims, taus,
                             mask, dropout, layout, out, lse, sink);
