@@ -379,6 +379,12 @@ TEMPLATE_TEST_CASE(
       sdpa::multiHeadAttentionForward(kern, q, ks, v, sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {}, &sink);
       check(sink, qd, kShifted);
       for (Index h = 0; h < H; ++h) CHECK(sink.inputs(h).centredRatio == gramRatio(q, ks, h));
+      // An infinite entry of q: no ratio (NaN), as the Gram route gives, not an infinite one.
+      Mat<T> qInf = q;
+      qInf(5, 3) = std::numeric_limits<T>::infinity();
+      sdpa::multiHeadAttentionForward(kern, qInf, k, v, sdpa::Heads{H, G}, scale::InvSqrtDk{}, mask::None{}, {}, &sink);
+      CHECK(std::isnan(sink.inputs(0).centredRatio));
+      CHECK(std::isfinite(sink.inputs(1).centredRatio));  // the other heads' as before
     }
   });
 }

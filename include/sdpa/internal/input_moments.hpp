@@ -10,6 +10,7 @@
  */
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
@@ -183,9 +184,9 @@ double sumSquaredDots(const Eigen::MatrixBase<D>& x, const Eigen::RowVectorXd& v
  * b_j = qbar . k_j and its mean c = qbar . kbar taken out, so <Gq, Gk>_F = ||Qc Kc^T||_F^2 =
  * sumR2 - n_k sum a^2 - n_q sum b^2 + n_q n_k c^2 (two-way analysis of variance). O((n_q + n_k) d)
  * where the Gram matrices take O((n_q + n_k) d^2). The subtraction loses what the means carry:
- * returns NaN where more than kStreamedLoss of sumR2 goes (sumR2 > kStreamedLoss x the result),
- * which then needs the Gram matrices; below that, sumR2's own rounding (a few hundred u of it)
- * stays under a few thousand u of the result.
+ * returns NaN where more than kStreamedLoss of sumR2 goes (sumR2 > kStreamedLoss x the result)
+ * or where it is not finite, which then needs the Gram matrices; below that, sumR2's own
+ * rounding (a few hundred u of it) stays under a few thousand u of the result.
  */
 constexpr double kStreamedLoss = 16;
 
@@ -194,7 +195,8 @@ double streamedInner(double sumR2, const Eigen::MatrixBase<DQ>& q, const Moments
                      const Moments& mk) {
   const double nQ = double(q.rows()), nK = double(k.rows()), c = mq.mean.dot(mk.mean);
   const double inner = sumR2 - nK * sumSquaredDots(q, mk.mean) - nQ * sumSquaredDots(k, mq.mean) + nQ * nK * c * c;
-  return inner > 0 && sumR2 <= kStreamedLoss * inner ? inner : std::numeric_limits<double>::quiet_NaN();
+  const bool kept = inner > 0 && std::isfinite(inner) && sumR2 <= kStreamedLoss * inner;
+  return kept ? inner : std::numeric_limits<double>::quiet_NaN();
 }
 
 /// The per-head inputs of the summaries, given <Gq, Gk>_F (q n_q x d_k, k n_k x d_k).
