@@ -93,6 +93,34 @@ TEST_CASE(
   CHECK(scaled.healthy());
 }
 
+TEST_CASE("a sink on the trained model: the centred ratio of diagnose, from the rows' raw sums  [seed C3]",
+          "[diagnostics][real-model][sink]") {
+  // Float q and k, both kernels: every row sees every key, so the ratio comes from the rows' sums
+  // of q.k squared (internal::streamedInner) where the means keep 1/16 of them, else from the
+  // Gram matrices; within the bound of test_diagnostics.cpp against the ratio in double.
+  const double u = std::ldexp(1.0, -24);
+  for (int layer = 0; layer < 6; ++layer) {
+    const auto q = load("minilm/layer" + std::to_string(layer) + ".q.npy");
+    const auto k = load("minilm/layer" + std::to_string(layer) + ".k.npy");
+    const Index H = q.heads, d = q.headDim;
+    const Mat<float> qf = q.packed.cast<float>(), kf = k.packed.cast<float>();
+    const double steps = double(kf.rows() + sdpa::internal::kMomentRows + d + 2);
+    forEachKernel([&](const auto& kern, const char* name) {
+      sdpa::DiagnosticsSink sink;
+      sdpa::multiHeadAttentionForward(kern, qf, kf, kf, sdpa::Heads{H}, scale::InvSqrtDk{}, sdpa::mask::None{}, {},
+                                      &sink);
+      for (Index h = 0; h < H; ++h) {
+        const auto [want, spread] =
+            centredRatioOf(qf.middleCols(h * d, d).cast<double>(), kf.middleCols(h * d, d).cast<double>());
+        INFO(name << ", layer " << layer << ", head " << h << ": " << sink.inputs(h).centredRatio << " against "
+                  << want);
+        CHECK(std::abs(sink.inputs(h).centredRatio - want) <=
+              sdpa::internal::kStreamedLoss * steps * u * spread * std::abs(want));
+      }
+    });
+  }
+}
+
 TEST_CASE("the stage can be given: a trained model read as at initialisation gets init's thresholds",
           "[diagnostics][real-model]") {
   const auto q = load("minilm/layer0.q.npy"), k = load("minilm/layer0.k.npy");

@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace sdpa_test {
@@ -212,6 +213,19 @@ double gradientDistance(const GA& a, const GB& b) {
 template <typename G>
 double gradientScale(const G& g) {
   return std::max({maxAbs(g.dq), maxAbs(g.dk), maxAbs(g.dv), maxAbs(g.dscale), maxAbs(g.dbias)});
+}
+
+/// d <Gq, Gk>_F / (tr Gq tr Gk) in double from the centred inputs, and the factor C by which a
+/// Gram entry's relative rounding can grow in the ratio: sum_ab (|Gq|_ab |Gk_ab| + |Gq_ab| |Gk|_ab)
+/// over 2 <Gq, Gk>, with |G|_ab = sum_i |x_ia x_ib| (1 for isotropic inputs, more where the
+/// Gram matrices' off-diagonal entries cancel).
+inline std::pair<double, double> centredRatioOf(const Mat<double>& q, const Mat<double>& k) {
+  const Mat<double> qc = q.rowwise() - q.colwise().mean(), kc = k.rowwise() - k.colwise().mean();
+  const Mat<double> gq = qc.transpose() * qc, gk = kc.transpose() * kc;
+  const Mat<double> aq = qc.cwiseAbs().transpose() * qc.cwiseAbs(), ak = kc.cwiseAbs().transpose() * kc.cwiseAbs();
+  const double inner = gq.cwiseProduct(gk).sum();
+  const double spread = (aq.cwiseProduct(gk.cwiseAbs()).sum() + gq.cwiseAbs().cwiseProduct(ak).sum()) / (2 * inner);
+  return {double(q.cols()) * inner / (gq.trace() * gk.trace()), spread};
 }
 
 }  // namespace sdpa_test
