@@ -210,6 +210,49 @@ void BM_SinkMoments(benchmark::State& state) {
   if (state.iterations() > 0) state.counters["xForward"] = timer.seconds() / double(state.iterations()) / forward;
 }
 
+/// The online softmax's pass over one transposed logits tile (fast::softmaxTile: 256 keys x 32
+/// lanes, base 2) alone, with a DiagnosticsSink's per-key figures or without: "nsPerKey" per key
+/// and 16 (AVX2: 8) lanes. figures 0: none; 1: where some lane's maximum may be in the tile (the
+/// first tiles of a row: the keys at the maximum tracked apart); 2: elsewhere. Each pass starts
+/// from a copy of the tile (in the time, the same for all three).
+/// args: figures
+void BM_SoftmaxTile(benchmark::State& state) {
+#if SDPA_HAS_ISA_DISPATCH
+  namespace fast = sdpa::internal::fast;
+  using sdpa::internal::Isa;
+  const Isa isa = sdpa::internal::IsaChoice::current();
+  if (isa < Isa::Avx2) {
+    state.SkipWithError("needs AVX2 or AVX-512");
+    return;
+  }
+  const int figures = int(state.range(0));
+  const Index lanes = 32, keys = 256, dV = 64;
+  const Eigen::MatrixXf logits = 2.0f * input(lanes, keys, 7);  // column j: key j of every lane
+  Eigen::MatrixXf sT(lanes, keys), acc = Eigen::MatrixXf::Zero(dV, lanes), figs(64, lanes);
+  const Eigen::VectorXf top = logits.rowwise().maxCoeff();
+  Eigen::VectorXf m(lanes), l(lanes), bad = Eigen::VectorXf::Zero(lanes);
+  const int stats = figures == 0 ? fast::kNoStats : fast::kStatsVisible;
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    sT = logits;
+    m.setConstant(figures == 2 ? 1e3f : -std::numeric_limits<float>::infinity());
+    l.setZero();
+    if (isa >= Isa::Avx512)
+      fast::avx512::softmaxTileWith<true>(stats, sT.data(), lanes, {nullptr, nullptr, keys}, top.data(), false,
+                                          m.data(), l.data(), acc.data(), dV, bad.data(), figs.data());
+    else
+      fast::avx2::softmaxTileWith<true>(stats, sT.data(), lanes, {nullptr, nullptr, keys}, top.data(), false, m.data(),
+                                        l.data(), acc.data(), dV, bad.data(), figs.data());
+    benchmark::DoNotOptimize(l.data());
+  }
+  const double groups = double(lanes) / (isa >= Isa::Avx512 ? 16.0 : 8.0);
+  if (state.iterations() > 0)
+    state.counters["nsPerKey"] = timer.seconds() / double(state.iterations()) / (double(keys) * groups) * 1e9;
+#else
+  state.SkipWithError("built without the fast kernels (SDPA_NO_ISA_DISPATCH)");
+#endif
+}
+
 /// Storage order: q, k, v column-major (0), row-major (1, numpy's and PyTorch's layout, read in
 /// place) or a mix (2: q and v row-major, k column-major, each read in place), into preallocated
 /// outputs; "xColumnMajor" is the call's time over the column-major one's of the same shape in
@@ -301,6 +344,7 @@ BENCHMARK(BM_SinkMoments)
     ->ArgsProduct({{1024, 4096}, {64, 128}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxTile)->ArgNames({"figures"})->DenseRange(0, 2);
 BENCHMARK(BM_ForwardLayout)
     ->ArgNames({"n", "d", "threads", "rowMajor"})
     ->ArgsProduct({{4096, 16384}, {64, 128}, {1}, {0, 1, 2}})

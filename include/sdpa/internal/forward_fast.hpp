@@ -561,8 +561,6 @@ Bf16Head packBf16Head(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV
   };
 #if SDPA_HAS_ISA_DISPATCH
   const bool vector = IsaChoice::current() >= Isa::Avx512Bf16;
-#else
-  const bool vector = false;
 #endif
   if (amx) {
     // A transpose into rows of kLd words, every word past the pairs 0.
