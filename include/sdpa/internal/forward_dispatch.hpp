@@ -47,6 +47,15 @@ struct SinkStart {
   std::vector<Moments> moments;
 };
 
+/// f of SinkStart::moments[i]'s head block: q's of query head i for i < H, else k's of kv head
+/// i - H (n x d_k).
+template <typename DQ, typename DK, typename F>
+auto onMomentBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Heads& heads, Index dK,
+                   Index i, F&& f) {
+  if (i < heads.query) return f(q.middleCols(i * dK, dK));
+  return f(k.middleCols((i - heads.query) * dK, dK));
+}
+
 /// Sizes `sink` for a call of `heads` query heads over q's rows; the moments are taken on the
 /// threads the forward will use.
 template <typename DQ, typename DK>
@@ -55,8 +64,7 @@ SinkStart startSink(DiagnosticsSink& sink, const Eigen::MatrixBase<DQ>& q, const
   sink.start(heads.query, q.rows());
   SinkStart s{std::vector<RowStats*>(size_t(heads.query)), std::vector<Moments>(size_t(heads.query + heads.keyValue))};
   parallelFor(Index(s.moments.size()), maxThreads(), [&](Index i) {
-    s.moments[size_t(i)] = i < heads.query ? moments(q.middleCols(i * dK, dK), false)
-                                           : moments(k.middleCols((i - heads.query) * dK, dK), false);
+    s.moments[size_t(i)] = onMomentBlock(q, k, heads, dK, i, [](const auto& x) { return moments(x, false); });
   });
   for (Index h = 0; h < heads.query; ++h) s.rows[size_t(h)] = sink.rows(h).data();
   return s;
@@ -72,11 +80,6 @@ template <typename DQ, typename DK, typename Acc>
 void finishSink(DiagnosticsSink& sink, SinkStart& s, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                 const Heads& heads, Index dK, const HeadTaus<Acc>& taus) {
   const Index nQ = q.rows(), nK = k.rows();
-  // Moments i's head block: q's for i < H, else k's (of kv head i - H).
-  const auto onBlock = [&](Index i, auto&& f) {
-    if (i < heads.query) return f(q.middleCols(i * dK, dK));
-    return f(k.middleCols((i - heads.query) * dK, dK));
-  };
   const auto kvOf = [&](Index h) { return heads.query + h / heads.groupSize(); };
   std::vector<double> inner(size_t(heads.query), 0.0);
   std::vector<Index> grams;  // the moments whose Gram matrix a head needs
@@ -97,7 +100,7 @@ void finishSink(DiagnosticsSink& sink, SinkStart& s, const Eigen::MatrixBase<DQ>
   grams.erase(std::unique(grams.begin(), grams.end()), grams.end());
   parallelFor(Index(grams.size()), maxThreads(), [&](Index j) {
     Moments& m = s.moments[size_t(grams[size_t(j)])];
-    m.gram = onBlock(grams[size_t(j)], [&](const auto& x) { return centredGram(x, m.mean); });
+    m.gram = onMomentBlock(q, k, heads, dK, grams[size_t(j)], [&](const auto& x) { return centredGram(x, m.mean); });
   });
   for (Index h = 0; h < heads.query; ++h) {
     const Moments &mq = s.moments[size_t(h)], &mk = s.moments[size_t(kvOf(h))];
