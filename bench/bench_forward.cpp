@@ -228,7 +228,7 @@ void BM_SoftmaxTile(benchmark::State& state) {
   const int figures = int(state.range(0));
   const Index lanes = 32, keys = 256, dV = 64;
   const Eigen::MatrixXf logits = 2.0f * input(lanes, keys, 7);  // column j: key j of every lane
-  Eigen::MatrixXf sT(lanes, keys), acc = Eigen::MatrixXf::Zero(dV, lanes), figs(64, lanes);
+  Eigen::MatrixXf sT(lanes, keys), acc = Eigen::MatrixXf::Zero(dV, lanes), figs(fast::kTileFigures, lanes);
   const Eigen::VectorXf top = logits.rowwise().maxCoeff();
   Eigen::VectorXf m(lanes), l(lanes), bad = Eigen::VectorXf::Zero(lanes);
   const int stats = figures == 0 ? fast::kNoStats : fast::kStatsVisible;
