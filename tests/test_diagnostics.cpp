@@ -272,6 +272,24 @@ TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the fold
         CHECK(r.argmax < nK / 2);  // the first of the two equal keys
         if (i < 5) CHECK(r.argmax == 0);
       }
+    // One tile of 2100 keys: past the 2048 whose indices the fast kernel reads from a table and
+    // whose ties at the maximum it counts from its sums, so it counts them key by key there.
+    const Index nLong = 2100;
+    Mat<float> kl = randn<double>(nLong, H * dK, 24).array().round().cast<float>().matrix(),
+               vl = randn<double>(nLong, H * dK, 25).cast<float>();
+    kl.bottomRows(nLong / 2) = kl.topRows(nLong / 2);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Tiled{8, 2304}, qt, kl, vl, sdpa::Heads{H}, scale::None{},
+                                    mask::None{}, {}, &tiled);
+    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qt, kl, vl, sdpa::Heads{H}, scale::None{}, mask::None{}, {},
+                                    &naive);
+    checkSameRows(tiled, naive, 2e-4);
+    for (Index h = 0; h < H; ++h)
+      for (size_t i = 0; i < size_t(nQ); ++i) {
+        const auto& r = tiled.rows(h)[i];
+        CHECK(r.gap == 0);
+        CHECK(r.argmax < nLong / 2);
+        if (i < 5) CHECK(r.argmax == 0);
+      }
   }
   SECTION("the folded Diagnostics agree") {
     sdpa::DiagnosticsSink tiled, naive;

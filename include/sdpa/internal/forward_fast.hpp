@@ -71,6 +71,17 @@ enum TileFigure : int {
   kArgmax,
   kLaneFigures
 };
+/// kKeyIndices.at[j] = j: a key's index as a float, for a broadcast that a masked min folds in
+/// (softmaxTile's keys at the maximum), where a counter took an add a key.
+constexpr Index kKeyTable = 2048;
+struct KeyIndices {
+  float at[kKeyTable];
+  constexpr KeyIndices() : at() {
+    for (Index j = 0; j < kKeyTable; ++j) at[j] = float(j);
+  }
+};
+inline constexpr KeyIndices kKeyIndices{};
+
 /// softmaxTile's Stats: none, or a DiagnosticsSink's figures of a tile whose logits in range are
 /// all finite, or of any tile.
 enum : int { kNoStats, kStatsVisible, kStatsAny };
