@@ -48,8 +48,9 @@ namespace fast {
 constexpr float kExp2Cut = float(double(kExpCut<float>) * 1.4426950408889634);
 
 /// The figures softmaxTile (its Stats) and statsBeforeSoftmax write per lane (a DiagnosticsSink's
-/// TileSums; kBelow: the largest logit under the maximum, kArg: the tile's first key at it), and
-/// after them the two more a lane keeps (addStats).
+/// TileSums; kBelow: the largest logit under the maximum, kArg: the tile's first key at it,
+/// kAlpha: the factor the lane's earlier weights took), and after them the two more a lane keeps
+/// (addStats).
 enum TileFigure : int {
   kVisible,
   kSum,
@@ -62,6 +63,7 @@ enum TileFigure : int {
   kMin,
   kBelow,
   kArg,
+  kAlpha,
   kRawSum,
   kRawSumSq,
   kOver16,
@@ -877,7 +879,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
         else
           avx512::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                          bad + g, figures);
-        if (stats) avx512::addStats(figures, m + g, toNatural, rows, gl, j0, laneStatsG);
+        if (stats) avx512::addStats(figures, m + g, rows, gl, j0, laneStatsG);
       } else {
         if (stats) avx2::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
         if (base2)
@@ -886,7 +888,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
         else
           avx2::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                        bad + g, figures);
-        if (stats) avx2::addStats(figures, m + g, toNatural, rows, gl, j0, laneStatsG);
+        if (stats) avx2::addStats(figures, m + g, rows, gl, j0, laneStatsG);
       }
       if (!vFinite) {  // reads v in place
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
