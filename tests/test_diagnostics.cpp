@@ -256,40 +256,34 @@ TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the fold
     // Integer entries, so that every logit is exact whatever order its sum takes (the portable
     // path's Eigen products sum a key at one column of a tile and its repeat at another in
     // different orders) and the repeated keys' logits tie to the bit.
-    Mat<float> qt = q.array().round().matrix(), kt = k.array().round().matrix();
+    Mat<float> qt = q.array().round().matrix();
     qt.topRows(5).setZero();
+    // Keys kt (each repeated: the second half equals the first) in tiles of bk keys.
+    const auto check = [&](const Mat<float>& kt, const Mat<float>& vt, Index bk) {
+      const Index n = kt.rows();
+      sdpa::DiagnosticsSink tiled, naive;
+      sdpa::multiHeadAttentionForward(sdpa::kernel::Tiled{8, bk}, qt, kt, vt, sdpa::Heads{H}, scale::None{},
+                                      mask::None{}, {}, &tiled);
+      sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qt, kt, vt, sdpa::Heads{H}, scale::None{}, mask::None{},
+                                      {}, &naive);
+      checkSameRows(tiled, naive, 2e-4);
+      for (Index h = 0; h < H; ++h)
+        for (size_t i = 0; i < size_t(nQ); ++i) {
+          const auto& r = tiled.rows(h)[i];
+          CHECK(r.gap == 0);
+          CHECK(r.argmax < n / 2);  // the first of the two equal keys
+          if (i < 5) CHECK(r.argmax == 0);
+        }
+    };
+    Mat<float> kt = k.array().round().matrix();
     kt.bottomRows(nK / 2) = kt.topRows(nK / 2);
-    sdpa::DiagnosticsSink tiled, naive;
-    sdpa::multiHeadAttentionForward(sdpa::kernel::Tiled{8, 16}, qt, kt, v, sdpa::Heads{H}, scale::None{}, mask::None{},
-                                    {}, &tiled);
-    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qt, kt, v, sdpa::Heads{H}, scale::None{}, mask::None{}, {},
-                                    &naive);
-    checkSameRows(tiled, naive, 2e-4);
-    for (Index h = 0; h < H; ++h)
-      for (size_t i = 0; i < size_t(nQ); ++i) {
-        const auto& r = tiled.rows(h)[i];
-        CHECK(r.gap == 0);
-        CHECK(r.argmax < nK / 2);  // the first of the two equal keys
-        if (i < 5) CHECK(r.argmax == 0);
-      }
+    check(kt, v, 16);
     // One tile of 2100 keys: past the 2048 whose indices the fast kernel reads from a table and
     // whose ties at the maximum it counts from its sums, so it counts them key by key there.
     const Index nLong = 2100;
-    Mat<float> kl = randn<double>(nLong, H * dK, 24).array().round().cast<float>().matrix(),
-               vl = randn<double>(nLong, H * dK, 25).cast<float>();
+    Mat<float> kl = randn<double>(nLong, H * dK, 24).array().round().cast<float>().matrix();
     kl.bottomRows(nLong / 2) = kl.topRows(nLong / 2);
-    sdpa::multiHeadAttentionForward(sdpa::kernel::Tiled{8, 2304}, qt, kl, vl, sdpa::Heads{H}, scale::None{},
-                                    mask::None{}, {}, &tiled);
-    sdpa::multiHeadAttentionForward(sdpa::kernel::Naive{}, qt, kl, vl, sdpa::Heads{H}, scale::None{}, mask::None{}, {},
-                                    &naive);
-    checkSameRows(tiled, naive, 2e-4);
-    for (Index h = 0; h < H; ++h)
-      for (size_t i = 0; i < size_t(nQ); ++i) {
-        const auto& r = tiled.rows(h)[i];
-        CHECK(r.gap == 0);
-        CHECK(r.argmax < nLong / 2);
-        if (i < 5) CHECK(r.argmax == 0);
-      }
+    check(kl, randn<double>(nLong, H * dK, 25).cast<float>(), 2304);
   }
   SECTION("the folded Diagnostics agree") {
     sdpa::DiagnosticsSink tiled, naive;
