@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "support/cases.hpp"
 
@@ -220,6 +223,48 @@ TEMPLATE_TEST_CASE("the tiled kernel streams a sink's rows: the naive kernel's f
       compare(nQ, nK, scale::Constant{0.0}, mask::None{}, 1.0);
     }
   }
+}
+
+TEST_CASE("a sink's rows do not depend on the thread count", "[diagnostics][sink][threads]") {
+  // One head of 600 query rows: one block of 600 on one thread, blocks of 256 and 88 rows on
+  // two. Whether a row's logit sum comes from its key sum (every row of the head sees every key)
+  // is the head's choice, not the block's: the same figures to the bit, with a mask and without.
+  const Index H = 1, dK = 32, nQ = 600, nK = 700;
+  const Mat<float> q = randn<double>(nQ, H * dK, 31).cast<float>(), k = randn<double>(nK, H * dK, 32).cast<float>(),
+                   v = randn<double>(nK, H * dK, 33).cast<float>();
+  const auto run = [&](int threads, const auto& m) {
+    sdpa::DiagnosticsSink sink;
+#ifdef _OPENMP
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    sdpa::multiHeadAttentionForward(q, k, v, sdpa::Heads{H}, scale::InvSqrtDk{}, m, {}, &sink);
+#ifdef _OPENMP
+    omp_set_num_threads(before);
+#endif
+    return sink;
+  };
+  const auto same = [&](const auto& m) {
+    const sdpa::DiagnosticsSink one = run(1, m), two = run(2, m);
+    for (Index h = 0; h < H; ++h)
+      for (size_t i = 0; i < size_t(nQ); ++i) {
+        const auto &a = one.rows(h)[i], &b = two.rows(h)[i];
+        INFO("head " << h << ", row " << i);
+        CHECK(a.visible == b.visible);
+        CHECK(a.argmax == b.argmax);
+        for (const auto f :
+             {&sdpa::internal::RowStats::logitSum, &sdpa::internal::RowStats::logitSumSq,
+              &sdpa::internal::RowStats::logitMin, &sdpa::internal::RowStats::logitMax,
+              &sdpa::internal::RowStats::rawSum, &sdpa::internal::RowStats::rawSumSq, &sdpa::internal::RowStats::lse,
+              &sdpa::internal::RowStats::pMax, &sdpa::internal::RowStats::entropy,
+              &sdpa::internal::RowStats::jacobianNorm, &sdpa::internal::RowStats::gap})
+          CHECK(a.*f == b.*f);
+      }
+  };
+  same(mask::None{});
+  same(mask::Causal{Align::LowerRight});
 }
 
 TEST_CASE("a sink on the tiled kernel: half inputs, a padded batch, and the folded diagnostics",
