@@ -871,25 +871,29 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       if (!fold) s *= tileScale;
       if (t == mask::Tile::Partial) mask.apply(s, i0 + g, j0, nQ, nK, head);
       double* laneStatsG = stats ? laneStats + g * kLaneFigures : nullptr;
+      bool counted = false;  // any logit past exp's fp16 range (statsBeforeSoftmax)
       if (isa >= Isa::Avx512) {
         if (stats)
-          avx512::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
+          counted =
+              avx512::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
         if (base2)
           avx512::softmaxTileWith<true>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                         bad + g, figures);
         else
           avx512::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                          bad + g, figures);
-        if (stats) avx512::addStats(figures, m + g, rows, gl, j0, laneStatsG);
+        if (stats) avx512::addStats(figures, m + g, gl, j0, rawNeeded, counted, laneStatsG);
       } else {
-        if (stats) avx2::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
+        if (stats)
+          counted =
+              avx2::statsBeforeSoftmax(sT, rawT, rawScale, gl, {kb, ke, cols}, tileMax, limit16, limit32, figures);
         if (base2)
           avx2::softmaxTileWith<true>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                       bad + g, figures);
         else
           avx2::softmaxTileWith<false>(statsMode, sT, gl, {kb, ke, cols}, tileMax, checked, m + g, l + g, accG, dV,
                                        bad + g, figures);
-        if (stats) avx2::addStats(figures, m + g, rows, gl, j0, laneStatsG);
+        if (stats) avx2::addStats(figures, m + g, gl, j0, rawNeeded, counted, laneStatsG);
       }
       if (!vFinite) {  // reads v in place
         const Index vRs = v.derived().rowStride(), vCs = v.derived().colStride();
