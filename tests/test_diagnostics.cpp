@@ -226,9 +226,10 @@ TEMPLATE_TEST_CASE("the tiled kernel streams a sink's rows: the naive kernel's f
 }
 
 TEST_CASE("a sink's rows do not depend on the thread count", "[diagnostics][sink][threads]") {
-  // One head of 600 query rows: one block of 600 on one thread, blocks of 256 and 88 rows on
-  // two. Whether a row's logit sum comes from its key sum (every row of the head sees every key)
-  // is the head's choice, not the block's: the same figures to the bit, with a mask and without.
+  // One head of 600 query rows: one block of 600 on one thread, blocks of 256, 256 and 88 rows
+  // on two. A row's figures come from its own keys in an order no block boundary changes (a lane
+  // group's choice of how to follow the keys at the maximum gives the same bits either way): the
+  // same figures to the bit, with a mask and without.
   const Index H = 1, dK = 32, nQ = 600, nK = 700;
   const Mat<float> q = randn<double>(nQ, H * dK, 31).cast<float>(), k = randn<double>(nK, H * dK, 32).cast<float>(),
                    v = randn<double>(nK, H * dK, 33).cast<float>();
