@@ -85,20 +85,21 @@ std::map<std::vector<Index>, double>& columnMajorDecode() {
   return m;
 }
 
-/// Decoding from column-major (0) or row-major (1) storage of T, read in place either way;
-/// "xColumnMajor": the row-major call's time over the column-major one's in the same run.
-/// args: n_k, d, threads, rowMajor
+/// Decoding n_q query rows (one token, or multi-token decoding) from column-major (0) or
+/// row-major (1) storage of T, read in place either way; "xColumnMajor": the row-major call's
+/// time over the column-major one's in the same run.
+/// args: n_k, d, threads, n_q, rowMajor
 template <typename T>
 void BM_DecodeLayout(benchmark::State& state) {
-  const Index nK = state.range(0), d = state.range(1);
+  const Index nK = state.range(0), d = state.range(1), nQ = state.range(3);
   sdpa_bench::setThreads(int(state.range(2)));
   std::srand(3);
   using Col = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
   using Row = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const Col q = Eigen::MatrixXf::Random(1, d).cast<T>(), k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
+  const Col q = Eigen::MatrixXf::Random(nQ, d).cast<T>(), k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
             v = Eigen::MatrixXf::Random(nK, d).cast<T>();
-  Eigen::MatrixXf out(1, d);
-  Eigen::VectorXf lse(1);
+  Eigen::MatrixXf out(nQ, d);
+  Eigen::VectorXf lse(nQ);
   const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
     sdpa::attentionForwardInto(qx, kx, vx, out, lse);
     const sdpa_bench::LoopTimer timer;
@@ -109,7 +110,7 @@ void BM_DecodeLayout(benchmark::State& state) {
     return timer.seconds();
   };
   double seconds = 0;
-  if (state.range(3)) {
+  if (state.range(4)) {
     const Row qr = q, kr = k, vr = v;
     seconds = run(qr, kr, vr);
   } else {
@@ -119,8 +120,9 @@ void BM_DecodeLayout(benchmark::State& state) {
   const double perCall = seconds / double(state.iterations());
   const double bytes = 2.0 * double(nK) * double(d) * sizeof(T);
   state.counters["GBps"] = bytes / perCall * 1e-9;
-  const std::vector<Index> key{nK, d, state.range(2), Index(sizeof(T))};
-  if (!state.range(3))
+  state.counters["GFLOPS"] = 4.0 * double(nQ) * double(nK) * double(d) / perCall * 1e-9;
+  const std::vector<Index> key{nK, d, state.range(2), Index(sizeof(T)), nQ};
+  if (!state.range(4))
     columnMajorDecode()[key] = perCall;
   else if (auto it = columnMajorDecode().find(key); it != columnMajorDecode().end())
     state.counters["xColumnMajor"] = perCall / it->second;
@@ -188,13 +190,13 @@ BENCHMARK(BM_Decode<Eigen::bfloat16>)
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK(BM_DecodeLayout<float>)
-    ->ArgNames({"nk", "d", "threads", "rowMajor"})
-    ->ArgsProduct({{65536}, {128}, {1}, {0, 1}})
+    ->ArgNames({"nk", "d", "threads", "nq", "rowMajor"})
+    ->ArgsProduct({{65536}, {128}, {1}, {1, 4, 8, 16}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeLayout<Eigen::half>)
-    ->ArgNames({"nk", "d", "threads", "rowMajor"})
-    ->ArgsProduct({{65536}, {128}, {1}, {0, 1}})
+    ->ArgNames({"nk", "d", "threads", "nq", "rowMajor"})
+    ->ArgsProduct({{65536}, {128}, {1}, {1}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeHeads)

@@ -140,31 +140,45 @@ TEST_CASE("multi-token decoding: 5 to 32 query rows against many keys, each row 
   // for bit, and the rows and masks that differ by row (causal, sliding window, ALiBi) meet the
   // oracle. 5-7 rows: one rest block (AVX2: a block of 4 and a rest); 13: a wide block and a
   // rest block of 5; 29: three wide blocks and a rest of 5; n_k 2011: tails past every vector
-  // width.
+  // width. Row-major q, k and v (read in place by the by-key kernels: blocks of 4 rows and a
+  // rest of 1-3 in one pass over the keys) the same, against their own one-row calls.
   const Index nK = 2011, dK = 64, dV = 40;
   const Mat<float> k = randn<float>(nK, dK, 82), v = randn<float>(nK, dV, 83);
+  const RowMat<float> kr = k, vr = v;
   const long double tau = 1.0L / std::sqrt((long double)dK);
   for (const Index nQ : {5, 6, 7, 8, 13, 16, 29, 32}) {
     INFO("n_q " << nQ);
     const Mat<float> q = randn<float>(nQ, dK, 81, 2.0);
+    const RowMat<float> qr = q;
     forEachIsa([&](Isa) {
       const auto all = sdpa::attentionForward(q, k, v, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
+      const auto allRows = sdpa::attentionForward(qr, kr, vr, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
       for (Index i = 0; i < nQ; ++i) {
         const Mat<float> qi = q.row(i);
         const auto one = sdpa::attentionForward(qi, k, v, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
         CHECK(Mat<float>(all.output.row(i)) == one.output);
         CHECK(all.logSumExp(i) == one.logSumExp(0));
+        const RowMat<float> qri = qr.row(i);
+        const auto oneRow = sdpa::attentionForward(qri, kr, vr, scale::InvSqrtDk{}, mask::KeyLength{nK - 7});
+        CHECK(Mat<float>(allRows.output.row(i)) == oneRow.output);
+        CHECK(allRows.logSumExp(i) == oneRow.logSumExp(0));
       }
     });
     const Index offset = nK - nQ;  // LowerRight: query i sits at key i + n_k - n_q
-    checkForward<float>(
-        q, k, v, scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-        [=](Index i, Index j) { return j <= i + offset; }, noBias());
-    checkForward<float>(
-        q, k, v, scale::InvSqrtDk{},
-        mask::combine(mask::SlidingWindow{300, 0, Align::LowerRight}, mask::Alibi{{0.0625}, Align::LowerRight}), tau,
-        [=](Index i, Index j) { return j <= i + offset && j >= i + offset - 300; },
-        [=](Index i, Index j) { return -0.0625L * std::abs((long double)(i + offset - j)); });
+    const auto causal = mask::Causal{Align::LowerRight};
+    const auto visible = [=](Index i, Index j) { return j <= i + offset; };
+    checkForward<float>(q, k, v, scale::InvSqrtDk{}, causal, tau, visible, noBias());
+    checkForwardResult<float>(sdpa::attentionForward(qr, kr, vr, scale::InvSqrtDk{}, causal), nQ, dV,
+                              referenceAttention<long double>(q, k, v, tau, visible, noBias()),
+                              referenceAttention<float>(q, k, v, tau, visible, noBias()));
+    const auto windowAlibi =
+        mask::combine(mask::SlidingWindow{300, 0, Align::LowerRight}, mask::Alibi{{0.0625}, Align::LowerRight});
+    const auto inWindow = [=](Index i, Index j) { return j <= i + offset && j >= i + offset - 300; };
+    const auto alibi = [=](Index i, Index j) { return -0.0625L * std::abs((long double)(i + offset - j)); };
+    checkForward<float>(q, k, v, scale::InvSqrtDk{}, windowAlibi, tau, inWindow, alibi);
+    checkForwardResult<float>(sdpa::attentionForward(qr, kr, vr, scale::InvSqrtDk{}, windowAlibi), nQ, dV,
+                              referenceAttention<long double>(q, k, v, tau, inWindow, alibi),
+                              referenceAttention<float>(q, k, v, tau, inWindow, alibi));
   }
 }
 
@@ -265,14 +279,16 @@ TEMPLATE_TEST_CASE(
   // fused multiply-adds on AVX2 and AVX-512 (the portable instance of a build without FMA rounds
   // each product: within the bound). A key's logit is the same in any block of keys and at any
   // row stride (a head of a packed batch gives the single head's bits); each row is its own.
-  // Rows 1-4 (passes of that many) and 7 (4 + 3); d 37 (column tails past every vector width),
-  // 64 and 8; n 1037 and 3 (fewer keys than a block).
+  // Rows 1-2 (passes of that many), from 3 one pass over the keys (blocks of 4 rows, whose 16 or
+  // 8 sums one tree reduces, and a rest of 1-3): 3, 4, 5, 7, 8, 16, 17 against each row alone;
+  // d 37 (column tails past every vector width), 64 and 8; n 1037 (the values in 17 blocks of
+  // keys, the rows ahead requested up to the last) and 3 (fewer keys than a block).
   using T = TestType;
   std::mt19937_64 gen(47);
   std::normal_distribution<float> normal;
   for (const auto& shape : {std::pair<Index, Index>{1037, 37}, {1037, 64}, {1037, 8}, {3, 37}}) {
     const Index n = shape.first, d = shape.second;  // (a structured binding cannot be captured in C++17)
-    for (const Index R : {1, 2, 3, 4, 7}) {
+    for (const Index R : {1, 2, 3, 4, 5, 7, 8, 16, 17}) {
       INFO("n " << n << ", d " << d << ", rows " << R);
       const Index wide = d + 5;  // the same keys at another row stride
       std::vector<float> a(size_t(R * d)), p(size_t(R * n));

@@ -69,16 +69,16 @@ void forEachPolicy(Index dK, F&& f) {
 }
 
 /**
- * Runs the library forward pass and checks it against the long-double oracle with the
- * FlashAttention rule (output and logSumExp); fully masked rows must give exactly 0 and -inf.
+ * Checks a forward result of `rows` query rows and `cols` value columns against the long-double
+ * oracle with the FlashAttention rule (output and logSumExp); fully masked rows must give
+ * exactly 0 and -inf.
  */
-template <typename T, typename Kernel, typename Scale, typename Mask>
-void checkForwardAgainst(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
-                         const Mask& mask, const RefResult<long double>& gold, const RefResult<T>& naive) {
-  const auto fwd = sdpa::attentionForward(kernel, q, k, v, scale, mask);
-  REQUIRE(fwd.output.rows() == q.rows());
-  REQUIRE(fwd.output.cols() == v.cols());
-  REQUIRE(fwd.logSumExp.size() == q.rows());
+template <typename T, typename Result>
+void checkForwardResult(const Result& fwd, Index rows, Index cols, const RefResult<long double>& gold,
+                        const RefResult<T>& naive) {
+  REQUIRE(fwd.output.rows() == rows);
+  REQUIRE(fwd.output.cols() == cols);
+  REQUIRE(fwd.logSumExp.size() == rows);
   const Mat<double> goldOut = gold.output.template cast<double>();
   const Vec<double> goldLse = gold.logSumExp.template cast<double>();
 
@@ -96,13 +96,20 @@ void checkForwardAgainst(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k,
   INFO("logSumExp error " << errLse << ", naive error " << naiveLse);
   CHECK(errLse <= errorBound<T>(naiveLse, lseScale));
 
-  for (Index i = 0; i < q.rows(); ++i) {
+  for (Index i = 0; i < rows; ++i) {
     if (std::isinf(goldLse(i))) {  // fully masked row
       CHECK(fwd.logSumExp(i) == -std::numeric_limits<T>::infinity());
       CHECK((fwd.output.row(i).array() == T(0)).all());
     }
   }
   CHECK(fwd.output.allFinite());
+}
+
+/// Runs the library forward pass and checks it against the oracle (checkForwardResult).
+template <typename T, typename Kernel, typename Scale, typename Mask>
+void checkForwardAgainst(const Kernel& kernel, const Mat<T>& q, const Mat<T>& k, const Mat<T>& v, const Scale& scale,
+                         const Mask& mask, const RefResult<long double>& gold, const RefResult<T>& naive) {
+  checkForwardResult<T>(sdpa::attentionForward(kernel, q, k, v, scale, mask), q.rows(), v.cols(), gold, naive);
 }
 
 /// checkForwardAgainst the oracle of (tau, visible, bias, softcap), computed here.

@@ -21,6 +21,9 @@ template <typename T>
 using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
 template <typename T>
 using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+/// numpy's and PyTorch's layout, which the library reads in place.
+template <typename T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 /// visible(i, j): may query i attend to key j. bias(i, j): additive term after the scale.
 using VisibleFn = std::function<bool(Index, Index)>;

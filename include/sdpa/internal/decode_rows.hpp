@@ -54,6 +54,21 @@ inline V vload(const Eigen::bfloat16* x) { return half_columns::avx2::widen(x); 
 inline void vstore(float* p, V x) { Eigen::internal::pstoreu(p, x); }
 inline V vfma(V a, V b, V c) { return Eigen::internal::pmadd(a, b, c); }
 inline float vsum(V x) { return Eigen::internal::predux(x); }
+/// vsums's lane order (see avx512::vsums) from one vsum per vector: the same sums as vsum's.
+inline V vsums(const V* x) {
+  constexpr Index kLanes = Simd::kLanes, kBlocks = kLanes >= 4 ? kLanes / 4 : 1;
+  float out[kLanes];
+  for (Index lane = 0; lane < kLanes; ++lane) out[lane] = vsum(x[kBlocks * (lane % 4) + lane / 4]);
+  return vload(out);
+}
+/// s[m][j + i] += w's lane (kLanes / 4) m + i, for m < 4 (a block's sums from vsums).
+inline void vaddQuarters(V w, float* const* s, Index j) {
+  constexpr Index kQuarter = Simd::kLanes >= 4 ? Simd::kLanes / 4 : 1;
+  float t[Simd::kLanes];
+  vstore(t, w);
+  for (int m = 0; m < 4; ++m)
+    for (Index i = 0; i < kQuarter; ++i) s[m][j + i] += t[kQuarter * m + i];
+}
 /// Keeps a loaded vector in a register for all the multiply-adds that use it. Without this GCC
 /// folds the load into each of them (a memory operand per FMA): the multi-row decoding kernels
 /// then issue a load per FMA, as many as the load ports take, and ran at 0.3-0.45 of the FMA peak
@@ -99,6 +114,35 @@ SDPA_DECODE_TARGET inline V vload(const Eigen::bfloat16* x) { return half_column
 SDPA_DECODE_TARGET inline void vstore(float* p, V x) { _mm512_storeu_ps(p, x); }
 SDPA_DECODE_TARGET inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 SDPA_DECODE_TARGET inline float vsum(V x) { return half_columns::avx512::laneSum(x); }
+/**
+ * The 16 lane sums of x[0..15] at once, each by vsum's tree (lanes i and i + 8, then i + 4,
+ * i + 2, i + 1), so each the same bits: lane 4 k + i holds vsum(x[4 i + k]). 30 shuffles and 15
+ * adds where 16 vsums take 64 and 64; each level adds the halves of two vectors' partial sums
+ * in one instruction.
+ */
+SDPA_DECODE_TARGET inline V vsums(const V* x) {
+  V a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (Index p = 0; p < 8; ++p)  // [x_2p's 8 sums of lanes i, i + 8 | x_2p+1's]
+    a[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xEE));
+#pragma GCC unroll 4
+  for (Index p = 0; p < 4; ++p)  // 128-bit block b: x_4p+b's 4 sums of lanes i, i + 4
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xDD));
+#pragma GCC unroll 2
+  for (Index p = 0; p < 2; ++p)  // block b: x_8p+b's 2 sums of lanes i, i + 2, then x_8p+4+b's
+    c[p] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/// s[m][j + i] += w's lane 4 m + i (m, i < 4): a 4 x 4 block's sums (vsums) into its 4 rows.
+SDPA_DECODE_TARGET inline void vaddQuarters(V w, float* const* s, Index j) {
+  const __m128 q[4] = {_mm512_extractf32x4_ps(w, 0), _mm512_extractf32x4_ps(w, 1), _mm512_extractf32x4_ps(w, 2),
+                       _mm512_extractf32x4_ps(w, 3)};
+  for (int m = 0; m < 4; ++m) _mm_storeu_ps(s[m] + j, _mm_add_ps(_mm_loadu_ps(s[m] + j), q[m]));
+}
 SDPA_DECODE_TARGET inline void vkeep(V& x) {
   V t = x;
   __asm__("" : "+v"(t));
@@ -128,6 +172,30 @@ SDPA_DECODE_TARGET inline float vsum(V x) {
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+/// The 8 lane sums of x[0..7] at once by vsum's tree (avx512::vsums's scheme): lane 4 k + i
+/// holds vsum(x[2 i + k]).
+SDPA_DECODE_TARGET inline V vsums(const V* x) {
+  V a[4], b[2];
+#pragma GCC unroll 4
+  for (Index p = 0; p < 4; ++p)  // [x_2p's 4 sums of lanes i, i + 4 | x_2p+1's]
+    a[p] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x31));
+#pragma GCC unroll 2
+  for (Index p = 0; p < 2; ++p)
+    b[p] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/// s[m][j + i] += w's lane 2 m + i (m < 4, i < 2): a 4 x 2 block's sums (vsums) into its 4 rows.
+SDPA_DECODE_TARGET inline void vaddQuarters(V w, float* const* s, Index j) {
+  const __m128 lo = _mm256_castps256_ps128(w), hi = _mm256_extractf128_ps(w, 1);
+  const __m128 q[4] = {lo, _mm_movehl_ps(lo, lo), hi, _mm_movehl_ps(hi, hi)};
+  for (int m = 0; m < 4; ++m) {
+    auto* x = reinterpret_cast<__m64*>(s[m] + j);  // (__m64 may alias a float)
+    _mm_storel_pi(x, _mm_add_ps(_mm_loadl_pi(_mm_setzero_ps(), x), q[m]));
+  }
 }
 SDPA_DECODE_TARGET inline void vkeep(V& x) {
   V t = x;

@@ -460,10 +460,10 @@ struct forward_tiled_impl {
 
   /**
    * Whether a block of `rows` query rows against nK keys takes the decoding path, for k and v of
-   * types DK, DV: at most kDecodeRows rows, or for float columns (streamDecode) up to
-   * kWideDecodeRows, and for half ones where the CPU has their column kernels up to
-   * kWideHalfRows, where the keys outnumber the rows kManyKeys times (multi-token or
-   * speculative decoding, a short chunk of a long prompt).
+   * types DK, DV: at most kDecodeRows rows, or for float k and v (streamDecode over columns, the
+   * by-key kernels over rows) up to kWideDecodeRows, and for half columns where the CPU has
+   * their column kernels up to kWideHalfRows, where the keys outnumber the rows kManyKeys times
+   * (multi-token or speculative decoding, a short chunk of a long prompt).
    * Decoding reads each chunk of k and v once for all the rows (float: in wide register blocks
    * from 5 rows on; half: each packet widened once for up to 4 or 8 rows); the prefill kernel
    * packs (or converts) all of k and v for each query block, scans k for its bounds and runs a
@@ -479,13 +479,16 @@ struct forward_tiled_impl {
    * until session 37, when the wide blocks came to share each block of keys: on a Sapphire
    * Rapids Xeon (65536 keys, d 128, causal, attentionForwardInto, best of 8) 17, 24 and 32 rows
    * took 15-16 ms there against 6.6-7.6, 8.2-8.6 and 10.8-11.3 here on one thread, 14.6-15.7
-   * against 3.3, 4.0-4.1 and 5.3 on two; 48 rows 21-22 ms either way.
+   * against 3.3, 4.0-4.1 and 5.3 on two; 48 rows 21-22 ms either way. Row-major float k and v
+   * (numpy's and PyTorch's layout) took the prefill path from 5 rows until session 42: there 5,
+   * 16 and 32 rows took 22 ms on one thread (one unit, so 24 on two), here 5.7-6.6, 6.0-6.2 and
+   * 14.3 (2.5, 3.7 and 6.6 on two threads).
    */
   template <typename DK, typename DV>
   static bool decodes(Index rows, Index nK) {
     if (rows <= kDecodeRows) return true;
     if constexpr (!ColumnsAre<DK>::contiguous || !ColumnsAre<DV>::contiguous) {
-      return false;
+      return std::is_same_v<In, float> && rows <= kWideDecodeRows && nK >= kManyKeys * rows;
     } else {
       constexpr Index kRows = std::is_same_v<In, float> ? kWideDecodeRows : IsHalfScalar<In> ? kWideHalfRows : 0;
       const bool columnKernels = !IsHalfScalar<In> || half_columns::path() != half_columns::Path::None;
