@@ -196,7 +196,7 @@ BENCHMARK(BM_DecodeLayout<float>)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeLayout<Eigen::half>)
     ->ArgNames({"nk", "d", "threads", "nq", "rowMajor"})
-    ->ArgsProduct({{65536}, {128}, {1}, {1}, {0, 1}})
+    ->ArgsProduct({{65536}, {128}, {1}, {1, 16}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeHeads)

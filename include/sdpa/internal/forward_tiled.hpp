@@ -488,7 +488,10 @@ struct forward_tiled_impl {
   static bool decodes(Index rows, Index nK) {
     if (rows <= kDecodeRows) return true;
     if constexpr (!ColumnsAre<DK>::contiguous || !ColumnsAre<DV>::contiguous) {
-      return std::is_same_v<In, float> && rows <= kWideDecodeRows && nK >= kManyKeys * rows;
+      // The by-key kernels: float, or half where they widen it in registers (AVX2, AVX-512).
+      const bool rowKernels =
+          std::is_same_v<In, float> || (IsHalfScalar<In> && half_columns::path() != half_columns::Path::None);
+      return rowKernels && rows <= kWideDecodeRows && nK >= kManyKeys * rows;
     } else {
       constexpr Index kRows = std::is_same_v<In, float> ? kWideDecodeRows : IsHalfScalar<In> ? kWideHalfRows : 0;
       const bool columnKernels = !IsHalfScalar<In> || half_columns::path() != half_columns::Path::None;
