@@ -54,26 +54,38 @@ std::map<std::vector<Index>, double>& mhaSeconds() {
 }
 
 /// Multi-head decoding over one K/V of H_kv = 8 kv heads of d = 128: `Heads{8}` (MHA, 8 query
-/// heads) against `Heads{H, 8}` (GQA: H query heads in groups sharing a kv head). The traffic is
-/// the K/V once; "xMHA" is the GQA call's time over the MHA call's of the same K/V in the same
-/// run (issue #19's target: <= 1.2 for H = 32). args: n_k, H, threads
+/// heads) against `Heads{H, 8}` (GQA: H query heads in groups sharing a kv head), stored by
+/// columns (0) or by keys (1: PyTorch's [n, heads x d], each head a block of columns). The
+/// traffic is the K/V once; "xMHA" is the GQA call's time over the MHA call's of the same K/V in
+/// the same run (issue #19's target: <= 1.2 for H = 32). args: n_k, H, threads, rowMajor
 void BM_DecodeHeads(benchmark::State& state) {
   const Index nK = state.range(0), H = state.range(1), Hkv = 8, d = 128;
   sdpa_bench::setThreads(int(state.range(2)));
   std::srand(5);
+  using Row = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Eigen::MatrixXf q = Eigen::MatrixXf::Random(1, H * d), k = Eigen::MatrixXf::Random(nK, Hkv * d),
                         v = Eigen::MatrixXf::Random(nK, Hkv * d);
   Eigen::MatrixXf out(1, H * d), lse(1, H);
-  sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H, Hkv}, out, lse);
-  const sdpa_bench::LoopTimer timer;
-  for (auto _ : state) {
-    sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H, Hkv}, out, lse);
-    benchmark::DoNotOptimize(out.data());
+  const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
+    sdpa::multiHeadAttentionForwardInto(qx, kx, vx, sdpa::Heads{H, Hkv}, out, lse);
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) {
+      sdpa::multiHeadAttentionForwardInto(qx, kx, vx, sdpa::Heads{H, Hkv}, out, lse);
+      benchmark::DoNotOptimize(out.data());
+    }
+    return timer.seconds();
+  };
+  double seconds = 0;
+  if (state.range(3)) {
+    const Row qr = q, kr = k, vr = v;
+    seconds = run(qr, kr, vr);
+  } else {
+    seconds = run(q, k, v);
   }
   if (state.iterations() == 0) return;
-  const double perCall = timer.seconds() / double(state.iterations());
+  const double perCall = seconds / double(state.iterations());
   state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * sizeof(float) / perCall * 1e-9;
-  const std::vector<Index> key{nK, state.range(2)};
+  const std::vector<Index> key{nK, state.range(2), state.range(3)};
   if (H == Hkv)
     mhaSeconds()[key] = perCall;
   else if (auto it = mhaSeconds().find(key); it != mhaSeconds().end())
@@ -200,8 +212,8 @@ BENCHMARK(BM_DecodeLayout<Eigen::half>)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeHeads)
-    ->ArgNames({"nk", "H", "threads"})
-    ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}})
+    ->ArgNames({"nk", "H", "threads", "rowMajor"})
+    ->ArgsProduct({{8192, 65536}, {8, 32}, {1, 2}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

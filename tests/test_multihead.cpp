@@ -322,6 +322,20 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
             CHECK(Mat<Out>(all.output.middleCols(h * dV, dV)) == one.output);
             CHECK(all.logSumExp.col(h) == one.logSumExp);
           }
+          if constexpr (std::is_same_v<T, float>) {
+            // Stored by keys (PyTorch's [n, heads x d]): the group's rows through the by-key
+            // kernels at once, each head the single-head call on its blocks of the same buffers.
+            const RowMat<T> qr = q, kr = k, vr = v;
+            const auto allRows =
+                sdpa::multiHeadAttentionForward(qr, kr, vr, sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
+            for (Index h = 0; h < H; ++h) {
+              const Index g = h / (H / hKv);
+              const auto one = sdpa::attentionForward(qr.middleCols(h * dK, dK), kr.middleCols(g * dK, dK),
+                                                      vr.middleCols(g * dV, dV), scale::InvSqrtDk{}, m);
+              CHECK(Mat<Out>(allRows.output.middleCols(h * dV, dV)) == one.output);
+              CHECK(allRows.logSumExp.col(h) == one.logSumExp);
+            }
+          }
         }
   Eigen::setNbThreads(saved);
 }

@@ -181,12 +181,13 @@ struct forward_tiled_impl {
   };
 
   /**
-   * stream's decoding (decodes: a few rows) over keys [kBegin, kEnd) for float k and v in
-   * column-major storage, for `count` query heads with the same rows [i0, i0 + bq) of one item
-   * that read the same k and v (a GQA group, or one head): each chunk's products for all their
-   * rows at once (decodeLogitsRows, decodeValuesRows: each column block of k and v loaded once
-   * for four rows), scale, mask and softmax per head as stream. A head's result is the same in a
-   * group as alone, to the bit.
+   * stream's decoding (decodes: a few rows) over keys [kBegin, kEnd) for float k and v, for
+   * `count` query heads with the same rows [i0, i0 + bq) of one item that read the same k and v
+   * (a GQA group, or one head): each chunk's products for all their rows at once (stored by
+   * columns: decodeLogitsRows, decodeValuesRows, each column block of k and v loaded once for
+   * several rows; by keys: decodeLogitsByKey, decodeValuesByKey, each block of keys once), scale,
+   * mask and softmax per head as stream. A head's result is the same in a group as alone, to the
+   * bit.
    */
   template <typename DQ, typename DK, typename DV, typename Mask>
   static void streamDecode(const Member<DQ>* members, Index count, const Eigen::MatrixBase<DK>& k,
@@ -223,7 +224,10 @@ struct forward_tiled_impl {
         }
       }
       if (R == 0) continue;
-      decodeLogitsRows(sc.rowsA.data(), R, k.derived().data() + j0, ldk, dK, cols, sc.rowsS.data());
+      if constexpr (ColumnsAre<DK>::contiguous)
+        decodeLogitsRows(sc.rowsA.data(), R, k.derived().data() + j0, ldk, dK, cols, sc.rowsS.data());
+      else
+        decodeLogitsByKey(sc.rowsA.data(), R, k.derived().data() + j0 * ldk, ldk, dK, cols, sc.rowsS.data());
       R = 0;
       for (Index m = 0; m < count; ++m) {
         if (!sc.active[size_t(m)]) continue;
@@ -236,7 +240,10 @@ struct forward_tiled_impl {
           sc.rowsD[size_t(R)] = dotsAll + (m * bq + r) * dV;
         }
       }
-      decodeValuesRows(sc.rowsA.data(), R, v.derived().data() + j0, ldv, dV, cols, sc.rowsD.data());
+      if constexpr (ColumnsAre<DV>::contiguous)
+        decodeValuesRows(sc.rowsA.data(), R, v.derived().data() + j0, ldv, dV, cols, sc.rowsD.data());
+      else
+        decodeValuesByKey(sc.rowsA.data(), R, v.derived().data() + j0 * ldv, ldv, dV, cols, sc.rowsD.data());
       for (Index m = 0; m < count; ++m) {
         if (!sc.active[size_t(m)]) continue;
         TileMap s(sAll + m * bq * chunk, bq, cols);
@@ -318,7 +325,7 @@ struct forward_tiled_impl {
                      Acc tau, const Mask& mask, const Dropout& dropout, Index head, Index row0, Index col0, Index i0,
                      Index bq, Index kBegin, Index kEnd, Index bk, OnlineSoftmax<Acc>& state, Scratch& sc,
                      bool resume = false, RowStream* stats = nullptr) {
-    if constexpr (std::is_same_v<In, float> && ColumnsAre<DK>::contiguous && ColumnsAre<DV>::contiguous) {
+    if constexpr (std::is_same_v<In, float>) {
       if (decodes<DK, DV>(bq, k.rows())) {  // float decoding: the GQA group's kernel, on one head
         const Member<DQ> one{q.derived(), tau, head, row0, col0, &state, stats};
         streamDecode(&one, 1, k, v, mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
@@ -372,19 +379,6 @@ struct forward_tiled_impl {
           } else {
             logitsByColumn(k, qs, j0, cols, s, sc);
           }
-        } else if constexpr (std::is_same_v<In, float>) {
-          // Float k stored by keys (row-major: numpy's and PyTorch's layout), or by columns
-          // beside v stored by keys: decoding's row kernels, chosen at run time as the column
-          // kernels are (Eigen's matrix-vector product runs at the build's ISA), each key's
-          // logit the same arithmetic whatever its stride (a head of a packed batch gives the
-          // single head's bits).
-          setRows(qs, s, sc);
-          s.setZero();
-          const Acc* kc = &kChunk.coeffRef(0, 0);
-          if constexpr (ColumnsAre<DK>::contiguous)
-            decodeLogitsRows(sc.rowsA.data(), bq, kc, k.derived().outerStride(), dK, cols, sc.rowsS.data());
-          else
-            decodeLogitsByKey(sc.rowsA.data(), bq, kc, k.derived().outerStride(), dK, cols, sc.rowsS.data());
         } else {
           s.setZero();
           logitsByColumn(k, qs, j0, cols, s, sc);
@@ -405,16 +399,11 @@ struct forward_tiled_impl {
         bool allRows = false;  // every row's dots computed at once (the row kernels)
         const In* vc = &vChunk.coeffRef(0, 0);
         const Index ldv = v.derived().outerStride();
-        if constexpr (!ColumnsAre<DV>::contiguous && (std::is_same_v<In, float> || IsHalfScalar<In>)) {
-          // As k's logits: the row kernels by keys (row-major v; half where they widen it in
+        if constexpr (!ColumnsAre<DV>::contiguous && IsHalfScalar<In>) {
+          // As k's logits: the row kernels by keys (row-major v, where they widen it in
           // registers).
           setValueRows(s, dotsAll, dV, sc);
           allRows = decodeValuesByKey(sc.rowsA.data(), bq, vc, ldv, dV, cols, sc.rowsD.data());
-        } else if constexpr (std::is_same_v<In, float>) {
-          // Column-major v beside row-major k: the column kernels.
-          setValueRows(s, dotsAll, dV, sc);
-          decodeValuesRows(sc.rowsA.data(), bq, vc, ldv, dV, cols, sc.rowsD.data());
-          allRows = true;
         } else if constexpr (IsHalfScalar<In>) {
           if (halfPath != half_columns::Path::None) {
             // Each packet of v widened once for up to 8 rows (dotAllRows: dotAll's bits row by row).
@@ -892,11 +881,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       const Index chunk = Impl::decodeKeys(dims.dK, dims.dV);
       for (Index s = 0; s < lead.splits; ++s) {
         const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
-        if constexpr (std::is_same_v<In, float> && std::is_same_v<KView, ConstRef<In>> &&
-                      std::is_same_v<VView, ConstRef<In>>) {
-          // Float k and v in column-major storage: the group's products in one pass over each
-          // chunk (streamDecode, which stream() takes alone for such k and v), the same per
-          // head as alone.
+        if constexpr (std::is_same_v<In, float>) {
+          // Float k and v: the group's products in one pass over each chunk (streamDecode, which
+          // stream() takes alone for float), the same per head as alone. (Until session 42 k and
+          // v stored by keys ran each head over the chunk in turn: with heads as column blocks
+          // of rows 4 KiB apart, each key a page of its own, Heads{32, 8} took 4x Heads{8}.)
           const ItemHead& lu = pairs[size_t(lead.pair)];
           using QBlock = decltype(q.block(0, 0, 1, 1));
           thread_local std::vector<typename Impl::template Member<QBlock>> group;
