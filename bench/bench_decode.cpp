@@ -53,6 +53,22 @@ std::map<std::vector<Index>, double>& mhaSeconds() {
   return m;
 }
 
+/// Seconds of the benchmark loop over call(q, k, v) on column-major q, k and v, or (rowMajor) on
+/// row-major copies of them, after one call outside the loop.
+template <typename Col, typename Call>
+double layoutSeconds(benchmark::State& state, bool rowMajor, const Col& q, const Col& k, const Col& v, Call&& call) {
+  const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
+    call(qx, kx, vx);
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) call(qx, kx, vx);
+    return timer.seconds();
+  };
+  if (!rowMajor) return run(q, k, v);
+  using Row = Eigen::Matrix<typename Col::Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Row qr = q, kr = k, vr = v;
+  return run(qr, kr, vr);
+}
+
 /// Multi-head decoding over one K/V of H_kv = 8 kv heads of d = 128: `Heads{8}` (MHA, 8 query
 /// heads) against `Heads{H, 8}` (GQA: H query heads in groups sharing a kv head), stored by
 /// columns (0) or by keys (1: PyTorch's [n, heads x d], each head a block of columns). The
@@ -62,26 +78,14 @@ void BM_DecodeHeads(benchmark::State& state) {
   const Index nK = state.range(0), H = state.range(1), Hkv = 8, d = 128;
   sdpa_bench::setThreads(int(state.range(2)));
   std::srand(5);
-  using Row = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Eigen::MatrixXf q = Eigen::MatrixXf::Random(1, H * d), k = Eigen::MatrixXf::Random(nK, Hkv * d),
                         v = Eigen::MatrixXf::Random(nK, Hkv * d);
   Eigen::MatrixXf out(1, H * d), lse(1, H);
-  const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
-    sdpa::multiHeadAttentionForwardInto(qx, kx, vx, sdpa::Heads{H, Hkv}, out, lse);
-    const sdpa_bench::LoopTimer timer;
-    for (auto _ : state) {
-      sdpa::multiHeadAttentionForwardInto(qx, kx, vx, sdpa::Heads{H, Hkv}, out, lse);
-      benchmark::DoNotOptimize(out.data());
-    }
-    return timer.seconds();
-  };
-  double seconds = 0;
-  if (state.range(3)) {
-    const Row qr = q, kr = k, vr = v;
-    seconds = run(qr, kr, vr);
-  } else {
-    seconds = run(q, k, v);
-  }
+  const double seconds =
+      layoutSeconds(state, state.range(3) != 0, q, k, v, [&](const auto& qx, const auto& kx, const auto& vx) {
+        sdpa::multiHeadAttentionForwardInto(qx, kx, vx, sdpa::Heads{H, Hkv}, out, lse);
+        benchmark::DoNotOptimize(out.data());
+      });
   if (state.iterations() == 0) return;
   const double perCall = seconds / double(state.iterations());
   state.counters["GBps"] = 2.0 * double(nK) * double(Hkv * d) * sizeof(float) / perCall * 1e-9;
@@ -107,27 +111,15 @@ void BM_DecodeLayout(benchmark::State& state) {
   sdpa_bench::setThreads(int(state.range(2)));
   std::srand(3);
   using Col = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
-  using Row = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Col q = Eigen::MatrixXf::Random(nQ, d).cast<T>(), k = Eigen::MatrixXf::Random(nK, d).cast<T>(),
             v = Eigen::MatrixXf::Random(nK, d).cast<T>();
   Eigen::MatrixXf out(nQ, d);
   Eigen::VectorXf lse(nQ);
-  const auto run = [&](const auto& qx, const auto& kx, const auto& vx) {
-    sdpa::attentionForwardInto(qx, kx, vx, out, lse);
-    const sdpa_bench::LoopTimer timer;
-    for (auto _ : state) {
-      sdpa::attentionForwardInto(qx, kx, vx, out, lse);
-      benchmark::DoNotOptimize(out.data());
-    }
-    return timer.seconds();
-  };
-  double seconds = 0;
-  if (state.range(4)) {
-    const Row qr = q, kr = k, vr = v;
-    seconds = run(qr, kr, vr);
-  } else {
-    seconds = run(q, k, v);
-  }
+  const double seconds =
+      layoutSeconds(state, state.range(4) != 0, q, k, v, [&](const auto& qx, const auto& kx, const auto& vx) {
+        sdpa::attentionForwardInto(qx, kx, vx, out, lse);
+        benchmark::DoNotOptimize(out.data());
+      });
   if (state.iterations() == 0) return;
   const double perCall = seconds / double(state.iterations());
   const double bytes = 2.0 * double(nK) * double(d) * sizeof(T);
