@@ -359,6 +359,82 @@ TEMPLATE_TEST_CASE(
   }
 }
 
+TEMPLATE_TEST_CASE("decoding's by-key kernels over several kv heads side by side give each head's bits alone",
+                   "[decode][isa][rowmajor]", float, Eigen::half, Eigen::bfloat16) {
+  // PyTorch's [n, heads x d] layout: each key's row holds every kv head's k (and v). The heads
+  // kernels (decodeLogitsByKeyHeads, decodeValuesByKeyHeads) take a block of keys for every head
+  // in turn; each head's rows must get exactly the logits and values of a call over that head
+  // alone (decodeLogitsByKey, decodeValuesByKey), whatever its number of rows (0 for a head the
+  // chunk hides, 1-2 in passes, from 3 one pass, 5 and 17 with a rest), with keys past the last
+  // block (n 1037, 3) and column tails (d 37).
+  using T = TestType;
+  std::mt19937_64 gen(53);
+  std::normal_distribution<float> normal;
+  const std::vector<Index> rowsPerHead{1, 0, 4, 5, 2, 17, 3};
+  const Index G = Index(rowsPerHead.size());
+  std::vector<Index> first{0};
+  for (const Index r : rowsPerHead) first.push_back(first.back() + r);
+  const Index R = first.back();
+  for (const auto& shape : {std::pair<Index, Index>{1037, 37}, {1037, 64}, {3, 64}, {0, 16}}) {
+    const Index n = shape.first, d = shape.second;
+    INFO("n " << n << ", d " << d);
+    const Index ld = G * d + 3;  // the heads side by side, then 3 unused entries a row
+    std::vector<float> a(size_t(R * d)), p(size_t(R * std::max<Index>(n, 1)));
+    for (auto* x : {&a, &p})
+      for (float& e : *x) e = normal(gen);
+    // (At least a row: the heads' pointers into an empty vector would offset a null pointer.)
+    std::vector<T> k(size_t(std::max<Index>(n, 1) * ld), T(std::numeric_limits<float>::quiet_NaN())), v = k;
+    for (Index j = 0; j < n; ++j)
+      for (Index c = 0; c < G * d; ++c) {
+        k[size_t(j * ld + c)] = T(normal(gen));
+        v[size_t(j * ld + c)] = T(normal(gen));
+      }
+    std::vector<const float*> rowsA(static_cast<size_t>(R)), rowsP(static_cast<size_t>(R));
+    std::vector<float> s(size_t(R * n), 0.0f), dots(size_t(R * d), -1.0f);
+    std::vector<float*> rowsS(static_cast<size_t>(R)), rowsD(static_cast<size_t>(R));
+    for (Index r = 0; r < R; ++r) {
+      rowsA[size_t(r)] = a.data() + r * d;
+      rowsP[size_t(r)] = p.data() + r * n;
+      rowsS[size_t(r)] = s.data() + r * n;
+      rowsD[size_t(r)] = dots.data() + r * d;
+    }
+    std::vector<const T*> kHeads(static_cast<size_t>(G)), vHeads(static_cast<size_t>(G));
+    for (Index g = 0; g < G; ++g) {
+      kHeads[size_t(g)] = k.data() + g * d;
+      vHeads[size_t(g)] = v.data() + g * d;
+    }
+    forEachIsa([&](Isa) {
+      std::fill(s.begin(), s.end(), 0.0f);
+      std::fill(dots.begin(), dots.end(), -1.0f);
+      const bool ran =
+          sdpa::internal::decodeLogitsByKeyHeads(rowsA.data(), first.data(), G, kHeads.data(), ld, d, n,
+                                                 rowsS.data()) &&
+          sdpa::internal::decodeValuesByKeyHeads(rowsP.data(), first.data(), G, vHeads.data(), ld, d, n, rowsD.data());
+      if (!ran) {  // half storage on an instance that does not widen it: as the single-head kernels
+        CHECK_FALSE(sdpa::internal::decodeLogitsByKey(rowsA.data(), 1, k.data(), ld, d, n, rowsS.data()));
+        return;
+      }
+      for (Index g = 0; g < G; ++g) {
+        const Index r0 = first[size_t(g)], count = rowsPerHead[size_t(g)];
+        if (count == 0) continue;
+        INFO("head " << g << ", rows " << count);
+        std::vector<float> s1(size_t(count * n), 0.0f), dots1(size_t(count * d));
+        std::vector<float*> rowsS1(static_cast<size_t>(count)), rowsD1(static_cast<size_t>(count));
+        for (Index r = 0; r < count; ++r) {
+          rowsS1[size_t(r)] = s1.data() + r * n;
+          rowsD1[size_t(r)] = dots1.data() + r * d;
+        }
+        REQUIRE(
+            sdpa::internal::decodeLogitsByKey(rowsA.data() + r0, count, kHeads[size_t(g)], ld, d, n, rowsS1.data()));
+        REQUIRE(
+            sdpa::internal::decodeValuesByKey(rowsP.data() + r0, count, vHeads[size_t(g)], ld, d, n, rowsD1.data()));
+        CHECK(std::equal(s1.begin(), s1.end(), s.begin() + r0 * n));
+        CHECK(std::equal(dots1.begin(), dots1.end(), dots.begin() + r0 * d));
+      }
+    });
+  }
+}
+
 TEST_CASE("the online softmax's exp pass: the same bits on AVX2 and AVX-512, within 1.1 ulp, NaN and -inf rules",
           "[decode][isa]") {
   // expShiftedSum<float> (OnlineSoftmax::absorb's pass over a row of logits, decoding's softmax)

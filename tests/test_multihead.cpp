@@ -301,9 +301,11 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
   // one query row, three and twelve (a group's rows in the wide register blocks of multi-token
   // decoding). (d 128 takes 25x the time of d 16 under the sanitizers: there GQA and MQA with
   // three rows, whose every row is a decoding row of the same unit, on two threads: the splits
-  // are the same on one.)
+  // are the same on one.) Float k and v stored by keys: a work item also takes the next kv
+  // heads (an equal share per thread: Heads{8, 4} two kv heads a thread, {4, 4} two, {4, 2} one;
+  // on one thread all), whose rows the heads kernels read a block of keys at a time.
   for (const auto& [dK, dV, nK] : {std::array<Index, 3>{16, 8, 5000}, {128, 128, 8700}})
-    for (const auto& [H, hKv] : {std::pair<Index, Index>{4, 2}, {3, 1}, {2, 2}})
+    for (const auto& [H, hKv] : {std::pair<Index, Index>{4, 2}, {3, 1}, {2, 2}, {8, 4}, {4, 4}})
       for (const Index nQ : {Index(1), Index(3), Index(12)})
         for (const int threads : {1, 2}) {
           if (dK == 128 && (H == hKv || nQ != 3 || threads == 1)) continue;

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "cpu.hpp"
 #include "decode_pieces.hpp"
@@ -314,6 +315,36 @@ bool decodeLogitsByKey(const float* const* a, Index R, const T* k, Index ldk, In
 template <typename T>
 bool decodeValuesByKey(const float* const* p, Index R, const T* v, Index ldv, Index dV, Index n, float* const* dots) {
   return withDecodeSimdReading<T>([&](auto simd) { valuesByKey(simd, p, R, v, ldv, dV, n, dots); });
+}
+
+/**
+ * decodeLogitsByKey for the rows of G kv heads whose rows lie side by side in k's rows: rows
+ * [rows[g], rows[g + 1]) read head g's k at k[g] (stride ldk). The keys in blocks, each for every
+ * head in turn (a block's rows read whole, in address order); one head as decodeLogitsByKey.
+ * Each (row, key) the bits of decodeLogitsByKey; T and the result as its.
+ */
+template <typename T>
+bool decodeLogitsByKeyHeads(const float* const* a, const Index* rows, Index G, const T* const* k, Index ldk, Index d,
+                            Index n, float* const* s) {
+  return withDecodeSimdReading<T>([&](auto simd) {
+    if (G == 1)  // (with its requests of the keys ahead, for many rows)
+      logitsByKey(simd, a + rows[0], rows[1] - rows[0], k[0], ldk, d, n, s + rows[0]);
+    else
+      logitsByKeyHeads(simd, a, rows, G, k, ldk, d, n, s);
+  });
+}
+
+/// decodeValuesByKey for the rows of G kv heads side by side in v's rows (as
+/// decodeLogitsByKeyHeads's k): the bits of decodeValuesByKey.
+template <typename T>
+bool decodeValuesByKeyHeads(const float* const* p, const Index* rows, Index G, const T* const* v, Index ldv, Index dV,
+                            Index n, float* const* dots) {
+  return withDecodeSimdReading<T>([&](auto simd) {
+    if (G == 1)
+      valuesByKey(simd, p + rows[0], rows[1] - rows[0], v[0], ldv, dV, n, dots + rows[0]);
+    else
+      valuesByKeyHeads(simd, p, rows, G, v, ldv, dV, n, dots);
+  });
 }
 
 }  // namespace sdpa::internal

@@ -82,14 +82,16 @@ struct forward_tiled_impl {
   /// Per-thread scratch, allocated on first use and reused by every later call on the thread.
   struct Scratch {
     Buffer<Acc> qs, s, k, v;
-    Buffer<Acc> logits, raw;                // a DiagnosticsSink's copies of a tile
-    Buffer<Acc> v2;                         // a decoding chunk of row-major half values
-    OnlineSoftmax<Acc> state, part;         // part: a key split merged into state
-    std::vector<OnlineSoftmax<Acc>> group;  // the states of a group of decoding units
-    std::vector<RowStream> rows, partRows;  // a DiagnosticsSink's rows of the block (and of part)
-    std::vector<const Acc*> rowsA;          // streamDecode's rows of q, then of the weights
-    std::vector<Acc*> rowsS, rowsD;         // its rows of logits and of weighted values
-    std::vector<char> active;               // its heads that see the chunk
+    Buffer<Acc> logits, raw;                   // a DiagnosticsSink's copies of a tile
+    Buffer<Acc> v2;                            // a decoding chunk of row-major half values
+    OnlineSoftmax<Acc> state, part;            // part: a key split merged into state
+    std::vector<OnlineSoftmax<Acc>> group;     // the states of a group of decoding units
+    std::vector<RowStream> rows, partRows;     // a DiagnosticsSink's rows of the block (and of part)
+    std::vector<const Acc*> rowsA;             // streamDecode's rows of q, then of the weights
+    std::vector<Acc*> rowsS, rowsD;            // its rows of logits and of weighted values
+    std::vector<char> active;                  // its heads that see the chunk
+    std::vector<Index> runFirst, runRows;      // its kv heads' first members and first rows
+    std::vector<const In*> runK, runV, runAt;  // their k and v, and at the chunk's first key
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -170,7 +172,8 @@ struct forward_tiled_impl {
   }
 
   /// One query head of streamDecode: its block of q (the item's n_q x d_k), scale, place in the
-  /// packed batch (as stream's head, row0, col0), state and the sink's rows (or null).
+  /// packed batch (as stream's head, row0, col0), state, the sink's rows (or null), and which
+  /// of the kv heads streamDecode's k and v hold it reads (their columns kv d_k .., kv d_v ..).
   template <typename DQ>
   struct Member {
     DQ q;
@@ -178,23 +181,27 @@ struct forward_tiled_impl {
     Index head, row0, col0;
     OnlineSoftmax<Acc>* state;
     RowStream* stats;
+    Index kv = 0;
   };
 
   /**
-   * stream's decoding (decodes: a few rows) over keys [kBegin, kEnd) for float k and v, for
-   * `count` query heads with the same rows [i0, i0 + bq) of one item that read the same k and v
-   * (a GQA group, or one head): each chunk's products for all their rows at once (stored by
-   * columns: decodeLogitsRows, decodeValuesRows, each column block of k and v loaded once for
-   * several rows; by keys: decodeLogitsByKey, decodeValuesByKey, each block of keys once), scale,
-   * mask and softmax per head as stream. A head's result is the same in a group as alone, to the
-   * bit.
+   * stream's decoding (decodes: a few rows) over keys [kBegin, kEnd) for float k and v holding
+   * one or more kv heads side by side (n_k x (heads d_k), n_k x (heads d_v)), for `count` query
+   * heads with the same rows [i0, i0 + bq) of one item, ordered by kv head (Member::kv): a GQA
+   * group, one head, or the groups of several kv heads. Each chunk's products for all their rows
+   * at once: stored by columns, decodeLogitsRows and decodeValuesRows per kv head (each column
+   * block of k and v loaded once for its rows); by keys, decodeLogitsByKey and decodeValuesByKey
+   * for one kv head (each block of keys once), their ...Heads forms for several (each block of
+   * keys' rows whole, for every head in turn). Scale, mask and softmax per head as stream. A
+   * head's result is the same in a group as alone, to the bit.
    */
   template <typename DQ, typename DK, typename DV, typename Mask>
   static void streamDecode(const Member<DQ>* members, Index count, const Eigen::MatrixBase<DK>& k,
-                           const Eigen::MatrixBase<DV>& v, const Mask& mask, const Dropout& dropout, Index i0, Index bq,
-                           Index kBegin, Index kEnd, Scratch& sc, bool resume) {
-    const Index nK = k.rows(), dK = k.cols(), dV = v.cols(), chunk = decodeKeys(dK, dV);
+                           const Eigen::MatrixBase<DV>& v, Index dK, Index dV, const Mask& mask, const Dropout& dropout,
+                           Index i0, Index bq, Index kBegin, Index kEnd, Scratch& sc, bool resume) {
+    const Index nK = k.rows(), chunk = decodeKeys(dK, dV);
     const Index ldk = k.derived().outerStride(), ldv = v.derived().outerStride();
+    constexpr bool kByKey = !ColumnsAre<DK>::contiguous, vByKey = !ColumnsAre<DV>::contiguous;
     Acc* qsAll = sc.qs.get(count * bq * dK);
     Acc* sAll = sc.s.get(count * bq * chunk);
     Acc* dotsAll = sc.v.get(count * bq * dV);
@@ -208,50 +215,87 @@ struct forward_tiled_impl {
       if (!resume) u.state->start(bq, dV);
       scaledQuery(u.q, i0, u.tau, folds(u.tau, u.stats), TileMap(qsAll + m * bq * dK, bq, dK));
     }
+    // The kv heads' runs of members (members [runFirst[g], runFirst[g + 1]) read kv head g of
+    // the run), their rows (rows [runRows[g], runRows[g + 1]) of a chunk's products) and the
+    // runs' k and v.
+    sc.runFirst.clear();
+    for (Index m = 0; m < count; ++m)
+      if (m == 0 || members[m].kv != members[m - 1].kv) sc.runFirst.push_back(m);
+    const Index G = Index(sc.runFirst.size());
+    sc.runFirst.push_back(count);
+    sc.runRows.resize(size_t(G + 1));
+    sc.runK.resize(size_t(G));
+    sc.runV.resize(size_t(G));
+    sc.runAt.resize(size_t(G));
+    for (Index g = 0; g < G; ++g) {
+      const Index kv = members[sc.runFirst[size_t(g)]].kv;
+      sc.runK[size_t(g)] = k.derived().data() + kv * dK * (kByKey ? 1 : ldk);
+      sc.runV[size_t(g)] = v.derived().data() + kv * dV * (vByKey ? 1 : ldv);
+    }
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
       Index R = 0;
-      for (Index m = 0; m < count; ++m) {
-        const auto& u = members[m];
-        const mask::Tile t = mask.classify(i0, bq, j0, cols, u.q.rows(), nK, u.head);
-        sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
-        if (t == mask::Tile::Hidden) continue;
-        TileMap s(sAll + m * bq * chunk, bq, cols);
-        s.setZero();
-        for (Index r = 0; r < bq; ++r, ++R) {
-          sc.rowsA[size_t(R)] = qsAll + (m * bq + r) * dK;
-          sc.rowsS[size_t(R)] = &s(r, 0);
+      for (Index g = 0; g < G; ++g) {
+        sc.runRows[size_t(g)] = R;
+        for (Index m = sc.runFirst[size_t(g)]; m < sc.runFirst[size_t(g) + 1]; ++m) {
+          const auto& u = members[m];
+          const mask::Tile t = mask.classify(i0, bq, j0, cols, u.q.rows(), nK, u.head);
+          sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
+          if (t == mask::Tile::Hidden) continue;
+          TileMap s(sAll + m * bq * chunk, bq, cols);
+          s.setZero();
+          for (Index r = 0; r < bq; ++r, ++R) {
+            sc.rowsA[size_t(R)] = qsAll + (m * bq + r) * dK;
+            sc.rowsS[size_t(R)] = &s(r, 0);
+          }
         }
       }
+      sc.runRows[size_t(G)] = R;
       if (R == 0) continue;
-      if constexpr (ColumnsAre<DK>::contiguous)
-        decodeLogitsRows(sc.rowsA.data(), R, k.derived().data() + j0, ldk, dK, cols, sc.rowsS.data());
+      const Index* runRows = sc.runRows.data();
+      // Several kv heads stored by keys: the chunk's rows read whole, a block of keys at a time,
+      // each block for every head (the bits of each head's call alone).
+      for (Index g = 0; g < G; ++g) sc.runAt[size_t(g)] = sc.runK[size_t(g)] + j0 * (kByKey ? ldk : 1);
+      if constexpr (kByKey)
+        decodeLogitsByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldk, dK, cols, sc.rowsS.data());
       else
-        decodeLogitsByKey(sc.rowsA.data(), R, k.derived().data() + j0 * ldk, ldk, dK, cols, sc.rowsS.data());
+        for (Index g = 0; g < G; ++g)
+          decodeLogitsRows(sc.rowsA.data() + runRows[g], runRows[g + 1] - runRows[g], sc.runAt[size_t(g)], ldk, dK,
+                           cols, sc.rowsS.data() + runRows[g]);
       R = 0;
-      for (Index m = 0; m < count; ++m) {
-        if (!sc.active[size_t(m)]) continue;
-        const auto& u = members[m];
-        TileMap s(sAll + m * bq * chunk, bq, cols);
-        absorbChunk(s, u.tau, folds(u.tau, u.stats), sc.active[size_t(m)] == 2, mask, dropout, u.q.rows(), nK, u.head,
-                    u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
-        for (Index r = 0; r < bq; ++r, ++R) {
-          sc.rowsA[size_t(R)] = &s(r, 0);
-          sc.rowsD[size_t(R)] = dotsAll + (m * bq + r) * dV;
+      for (Index g = 0; g < G; ++g) {
+        sc.runRows[size_t(g)] = R;
+        for (Index m = sc.runFirst[size_t(g)]; m < sc.runFirst[size_t(g) + 1]; ++m) {
+          if (!sc.active[size_t(m)]) continue;
+          const auto& u = members[m];
+          TileMap s(sAll + m * bq * chunk, bq, cols);
+          absorbChunk(s, u.tau, folds(u.tau, u.stats), sc.active[size_t(m)] == 2, mask, dropout, u.q.rows(), nK, u.head,
+                      u.row0, u.col0, i0, j0, *u.state, sc, u.stats);
+          for (Index r = 0; r < bq; ++r, ++R) {
+            sc.rowsA[size_t(R)] = &s(r, 0);
+            sc.rowsD[size_t(R)] = dotsAll + (m * bq + r) * dV;
+          }
         }
       }
-      if constexpr (ColumnsAre<DV>::contiguous)
-        decodeValuesRows(sc.rowsA.data(), R, v.derived().data() + j0, ldv, dV, cols, sc.rowsD.data());
+      for (Index g = 0; g < G; ++g) sc.runAt[size_t(g)] = sc.runV[size_t(g)] + j0 * (vByKey ? ldv : 1);
+      if constexpr (vByKey)
+        decodeValuesByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldv, dV, cols, sc.rowsD.data());
       else
-        decodeValuesByKey(sc.rowsA.data(), R, v.derived().data() + j0 * ldv, ldv, dV, cols, sc.rowsD.data());
-      for (Index m = 0; m < count; ++m) {
-        if (!sc.active[size_t(m)]) continue;
-        TileMap s(sAll + m * bq * chunk, bq, cols);
-        auto acc = members[m].state->acc();
-        for (Index r = 0; r < bq; ++r) {
-          const Acc* dots = dotsAll + (m * bq + r) * dV;
-          for (Index c = 0; c < dV; ++c)
-            acc(r, c) += std::isfinite(dots[c]) ? dots[c] : dotSkippingZeros(s.row(r), v.col(c).segment(j0, cols));
+        for (Index g = 0; g < G; ++g)
+          decodeValuesRows(sc.rowsA.data() + runRows[g], runRows[g + 1] - runRows[g], sc.runAt[size_t(g)], ldv, dV,
+                           cols, sc.rowsD.data() + runRows[g]);
+      for (Index g = 0; g < G; ++g) {
+        const Index kv = members[sc.runFirst[size_t(g)]].kv;
+        for (Index m = sc.runFirst[size_t(g)]; m < sc.runFirst[size_t(g) + 1]; ++m) {
+          if (!sc.active[size_t(m)]) continue;
+          TileMap s(sAll + m * bq * chunk, bq, cols);
+          auto acc = members[m].state->acc();
+          for (Index r = 0; r < bq; ++r) {
+            const Acc* dots = dotsAll + (m * bq + r) * dV;
+            for (Index c = 0; c < dV; ++c)
+              acc(r, c) +=
+                  std::isfinite(dots[c]) ? dots[c] : dotSkippingZeros(s.row(r), v.col(kv * dV + c).segment(j0, cols));
+          }
         }
       }
     }
@@ -328,7 +372,7 @@ struct forward_tiled_impl {
     if constexpr (std::is_same_v<In, float>) {
       if (decodes<DK, DV>(bq, k.rows())) {  // float decoding: the GQA group's kernel, on one head
         const Member<DQ> one{q.derived(), tau, head, row0, col0, &state, stats};
-        streamDecode(&one, 1, k, v, mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
+        streamDecode(&one, 1, k, v, k.cols(), v.cols(), mask, dropout, i0, bq, kBegin, kEnd, sc, resume);
         return;
       }
     }
@@ -842,14 +886,32 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       const ItemHead& u = pairs[size_t(w.pair)];
       return !prefill(u) && decodes(w.rows, u.nK);
     };
+    // Float k and v stored by keys: a group also takes the next kv heads, up to kvPerGroup (an
+    // equal share of the item's kv heads per thread), and runs each chunk for each of them in
+    // turn. A key's row holds every kv head's k (4 KiB for 8 heads of d 128, PyTorch's
+    // [n, heads x d] layout): a head alone reads a slice of each row, a page of its own, which
+    // the hardware prefetchers do not follow across pages; in turn over a chunk, the heads read
+    // the chunk's pages together.
+    constexpr bool kCrossKv =
+        std::is_same_v<In, float> && !(ColumnsAre<KView>::contiguous && ColumnsAre<VView>::contiguous);
+    const Index kvPerGroup = kCrossKv ? std::max<Index>(1, (heads.keyValue + threads - 1) / threads) : 1;
+    Index groupKv = 0;  // kv heads in the current group
     for (Index i = 0; i < Index(units.size()); ++i) {
       const ItemHead& u = pairs[size_t(units[size_t(i)].pair)];
+      bool newKv = true;
       const bool joins = i > 0 && decoding(units[size_t(i)]) && [&] {
         const Unit& prev = units[size_t(i - 1)];
         const ItemHead& p = pairs[size_t(prev.pair)];
-        return decoding(prev) && p.item == u.item && p.kvHead == u.kvHead && prev.i0 == units[size_t(i)].i0;
+        if (!decoding(prev) || p.item != u.item || prev.i0 != units[size_t(i)].i0) return false;
+        newKv = p.kvHead != u.kvHead;
+        return !newKv || groupKv < kvPerGroup;
       }();
-      if (!joins) groupStart.push_back(i);
+      if (!joins) {
+        groupStart.push_back(i);
+        groupKv = 0;
+        newKv = true;
+      }
+      groupKv += newKv ? 1 : 0;
     }
     const Index groups = Index(groupStart.size());
     // Grouped only where the groups still give every thread work.
@@ -887,17 +949,19 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
           // v stored by keys ran each head over the chunk in turn: with heads as column blocks
           // of rows 4 KiB apart, each key a page of its own, Heads{32, 8} took 4x Heads{8}.)
           const ItemHead& lu = pairs[size_t(lead.pair)];
+          const Index kvLast = pairs[size_t(units[size_t(first + members - 1)].pair)].kvHead;
           using QBlock = decltype(q.block(0, 0, 1, 1));
           thread_local std::vector<typename Impl::template Member<QBlock>> group;
           group.clear();
           for (Index m = 0; m < members; ++m) {
             const ItemHead& u = pairs[size_t(units[size_t(first + m)].pair)];
             group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), taus.tau(u.head), u.head, u.q0, u.k0,
-                             &sc.group[size_t(s == 0 ? m : members + m)], nullptr});
+                             &sc.group[size_t(s == 0 ? m : members + m)], nullptr, u.kvHead - lu.kvHead});
           }
-          Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, dims.dK),
-                             v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, dims.dV), itemMask(mask, lu), dropout, lead.i0,
-                             lead.rows, kBegin, kEnd, sc, false);
+          const Index kvs = kvLast - lu.kvHead + 1;
+          Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, kvs * dims.dK),
+                             v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, kvs * dims.dV), dims.dK, dims.dV,
+                             itemMask(mask, lu), dropout, lead.i0, lead.rows, kBegin, kEnd, sc, false);
         } else {
           Index j0 = kBegin;
           do {  // once for an empty split: its states start, empty
