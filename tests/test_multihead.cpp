@@ -341,3 +341,38 @@ TEMPLATE_TEST_CASE("GQA decoding, a kv head's query heads run split by split tog
         }
   Eigen::setNbThreads(saved);
 }
+
+TEST_CASE("decoding a varlen batch over K/V stored by keys: each item bitwise its own call, on any thread count",
+          "[multihead][gqa][decode][batch]") {
+  // Float k and v stored by keys (PyTorch's [n, heads x d]) decode an item's kv heads together;
+  // on several threads the threads deal out the key splits of every item's group (items with
+  // 4, 1 and 2 splits here, and 1, 3 and 2 query rows), merged per head after. Each item must be
+  // its own call's bits, each head its single-head call's, on one thread and on two.
+  const Index H = 8, hKv = 4, dK = 16, dV = 8;
+  const std::vector<Index> cuQ = {0, 1, 4, 6}, cuK = {0, 5000, 5003, 7600};
+  const RowMat<float> q = randn<float>(6, H * dK, 81), k = randn<float>(7600, hKv * dK, 82),
+                      v = randn<float>(7600, hKv * dV, 83);
+  const auto m = mask::Causal{Align::LowerRight};
+  const int saved = Eigen::nbThreads();
+  for (const int threads : {1, 2}) {
+    Eigen::setNbThreads(threads);
+    const auto batch = sdpa::batchedAttentionForward(q, k, v, sdpa::BatchLayout::varlen(cuQ, cuK), sdpa::Heads{H, hKv},
+                                                     scale::InvSqrtDk{}, m);
+    for (size_t b = 0; b < 3; ++b) {
+      const Index q0 = cuQ[b], nQ = cuQ[b + 1] - q0, k0 = cuK[b], nK = cuK[b + 1] - k0;
+      INFO(threads << " threads, item " << b);
+      const auto item = sdpa::multiHeadAttentionForward(
+          q.middleRows(q0, nQ), k.middleRows(k0, nK), v.middleRows(k0, nK), sdpa::Heads{H, hKv}, scale::InvSqrtDk{}, m);
+      CHECK(batch.output.middleRows(q0, nQ) == item.output);
+      CHECK(batch.logSumExp.middleRows(q0, nQ) == item.logSumExp);
+      for (Index h = 0; h < H; ++h) {
+        const Index g = h / (H / hKv);
+        const auto one = sdpa::attentionForward(q.block(q0, h * dK, nQ, dK), k.block(k0, g * dK, nK, dK),
+                                                v.block(k0, g * dV, nK, dV), scale::InvSqrtDk{}, m);
+        CHECK(batch.output.block(q0, h * dV, nQ, dV) == one.output);
+        CHECK(batch.logSumExp.block(q0, h, nQ, 1) == one.logSumExp);
+      }
+    }
+  }
+  Eigen::setNbThreads(saved);
+}

@@ -215,6 +215,7 @@ struct forward_tiled_impl {
       if (!resume) u.state->start(bq, dV);
       scaledQuery(u.q, i0, u.tau, folds(u.tau, u.stats), TileMap(qsAll + m * bq * dK, bq, dK));
     }
+    if (kBegin >= kEnd) return;  // (no keys: k and v may have no data to point into)
     // The kv heads' runs of members (members [runFirst[g], runFirst[g + 1]) read kv head g of
     // the run), their rows (rows [runRows[g], runRows[g + 1]) of a chunk's products) and the
     // runs' k and v.
@@ -584,7 +585,9 @@ inline Index keySplits(bool decoding, Index nK, Index tileK) {
  * (sum n_q) x (H d_v), lse (sum n_q) x H. Work units are (item, head, query block). A decoding
  * unit (a few query rows, many keys) is also split over key ranges (keySplits) whose states are
  * merged by their logSumExp, left to right: in parallel when the units are fewer than the
- * threads, else one after the other inside the unit's work item -- the same arithmetic.
+ * threads, else one after the other inside the unit's work item -- the same arithmetic. (Units
+ * that read the same k and v chunk by chunk run as a group: a GQA group's, and for float k and
+ * v stored by keys an item's kv heads, whose splits are the work items on several threads.)
  * `stats` (null, or one pointer per query head to its (sum n_q) rows): a DiagnosticsSink's rows,
  * streamed with the online softmax and merged across key splits as the states are; decoding
  * units are then not grouped (the same arithmetic), and a head of tau = 0 takes the general
@@ -648,7 +651,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     std::vector<fast::LogitBounds> bounds;
     std::vector<fast::Bf16Head> bf16;
     std::vector<const float*> kF, vF;
-    std::vector<Index> offset, owner, owners, unitOf, groupStart;
+    std::vector<Index> offset, owner, owners, unitOf, groupStart, groupItem, groupState;
     std::vector<OnlineSoftmax<Acc>> states;
     std::vector<char> done;
   };
@@ -870,6 +873,35 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     }
   };
 
+  // Float k and v: the decoding units [first, first + members) (the same item and rows, so the
+  // same splits and chunks; their kv heads in order) over split s, into states[0, members): the
+  // group's products in one pass over each chunk (streamDecode, which stream() takes alone for
+  // float), the same per head as alone. (Until session 42 k and v stored by keys ran each head
+  // over the chunk in turn: with heads as column blocks of rows 4 KiB apart, each key a page of
+  // its own, Heads{32, 8} took 4x Heads{8}.)
+  const auto decodeGroupSplit = [&](Index first, Index members, Index s, OnlineSoftmax<Acc>* states,
+                                    typename Impl::Scratch& sc) {
+    if constexpr (std::is_same_v<In, float>) {
+      const Unit& lead = units[size_t(first)];
+      const ItemHead& lu = pairs[size_t(lead.pair)];
+      const Index kvs = pairs[size_t(units[size_t(first + members - 1)].pair)].kvHead - lu.kvHead + 1;
+      using QBlock = decltype(q.block(0, 0, 1, 1));
+      thread_local std::vector<typename Impl::template Member<QBlock>> group;
+      group.clear();
+      for (Index m = 0; m < members; ++m) {
+        const ItemHead& u = pairs[size_t(units[size_t(first + m)].pair)];
+        group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), taus.tau(u.head), u.head, u.q0, u.k0,
+                         states + m, nullptr, u.kvHead - lu.kvHead});
+      }
+      Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, kvs * dims.dK),
+                         v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, kvs * dims.dV), dims.dK, dims.dV,
+                         itemMask(mask, lu), dropout, lead.i0, lead.rows, splitBegin(lead, s), splitBegin(lead, s + 1),
+                         sc, false);
+    } else {
+      (void)first, (void)members, (void)s, (void)states, (void)sc;
+    }
+  };
+
   // (With a sink, always: each thread merges its units' splits, and their rows' streams.)
   if (Index(units.size()) >= threads || parts == Index(units.size()) || stats) {
     // Decoding units of the query heads that share a kv head (GQA, MQA) with the same rows form
@@ -892,9 +924,16 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     // [n, heads x d] layout): a head alone reads a slice of each row, a page of its own, which
     // the hardware prefetchers do not follow across pages; in turn over a chunk, the heads read
     // the chunk's pages together.
+    // On several threads, where every unit is decoding, a group takes all of the item's kv heads
+    // and the threads deal out its key splits instead (splitGroups): each reads whole rows where
+    // threads with a share of the heads each would read a part of every row.
     constexpr bool kCrossKv =
         std::is_same_v<In, float> && !(ColumnsAre<KView>::contiguous && ColumnsAre<VView>::contiguous);
-    const Index kvPerGroup = kCrossKv ? std::max<Index>(1, (heads.keyValue + threads - 1) / threads) : 1;
+    const bool splitGroups = kCrossKv && threads > 1 && !stats &&
+                             std::all_of(units.begin(), units.end(), [&](const Unit& w) { return decoding(w); });
+    const Index kvPerGroup = !kCrossKv     ? 1
+                             : splitGroups ? heads.keyValue
+                                           : std::max<Index>(1, (heads.keyValue + threads - 1) / threads);
     Index groupKv = 0;  // kv heads in the current group
     for (Index i = 0; i < Index(units.size()); ++i) {
       const ItemHead& u = pairs[size_t(units[size_t(i)].pair)];
@@ -914,6 +953,38 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       groupKv += newKv ? 1 : 0;
     }
     const Index groups = Index(groupStart.size());
+    if (splitGroups) {
+      // Work items (group g, split s): items [groupItem[g], groupItem[g + 1]); member m's state of
+      // split s at states[groupState[g] + s members + m], merged left to right after.
+      groupStart.push_back(Index(units.size()));
+      auto& groupItem = plan.groupItem;
+      auto& groupState = plan.groupState;
+      groupItem.assign(1, 0);
+      groupState.assign(1, 0);
+      for (Index g = 0; g < groups; ++g) {
+        const Index members = groupStart[size_t(g) + 1] - groupStart[size_t(g)];
+        const Index splits = units[size_t(groupStart[size_t(g)])].splits;
+        groupItem.push_back(groupItem.back() + splits);
+        groupState.push_back(groupState.back() + splits * members);
+      }
+      auto& states = plan.states;
+      if (Index(states.size()) < groupState.back()) states.resize(size_t(groupState.back()));
+      parallelFor(groupItem.back(), threads, [&](Index i) {
+        const Index g = Index(std::upper_bound(groupItem.begin(), groupItem.end(), i) - groupItem.begin()) - 1;
+        const Index s = i - groupItem[size_t(g)], first = groupStart[size_t(g)];
+        const Index members = groupStart[size_t(g) + 1] - first;
+        decodeGroupSplit(first, members, s, states.data() + groupState[size_t(g)] + s * members, Impl::threadScratch());
+      });
+      for (Index g = 0; g < groups; ++g) {
+        const Index first = groupStart[size_t(g)], members = groupStart[size_t(g) + 1] - first;
+        OnlineSoftmax<Acc>* st = states.data() + groupState[size_t(g)];
+        for (Index m = 0; m < members; ++m) {
+          for (Index s = 1; s < units[size_t(first)].splits; ++s) st[m].merge(st[s * members + m]);
+          finish(units[size_t(first + m)], st[m]);
+        }
+      }
+      return;
+    }
     // Grouped only where the groups still give every thread work.
     const bool grouped = groups < Index(units.size()) && groups >= threads && !stats;
     if (grouped) groupStart.push_back(Index(units.size()));
@@ -944,24 +1015,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       for (Index s = 0; s < lead.splits; ++s) {
         const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
         if constexpr (std::is_same_v<In, float>) {
-          // Float k and v: the group's products in one pass over each chunk (streamDecode, which
-          // stream() takes alone for float), the same per head as alone. (Until session 42 k and
-          // v stored by keys ran each head over the chunk in turn: with heads as column blocks
-          // of rows 4 KiB apart, each key a page of its own, Heads{32, 8} took 4x Heads{8}.)
-          const ItemHead& lu = pairs[size_t(lead.pair)];
-          const Index kvLast = pairs[size_t(units[size_t(first + members - 1)].pair)].kvHead;
-          using QBlock = decltype(q.block(0, 0, 1, 1));
-          thread_local std::vector<typename Impl::template Member<QBlock>> group;
-          group.clear();
-          for (Index m = 0; m < members; ++m) {
-            const ItemHead& u = pairs[size_t(units[size_t(first + m)].pair)];
-            group.push_back({q.block(u.q0, u.head * dims.dK, u.nQ, dims.dK), taus.tau(u.head), u.head, u.q0, u.k0,
-                             &sc.group[size_t(s == 0 ? m : members + m)], nullptr, u.kvHead - lu.kvHead});
-          }
-          const Index kvs = kvLast - lu.kvHead + 1;
-          Impl::streamDecode(group.data(), members, k.block(lu.k0, lu.kvHead * dims.dK, lu.nK, kvs * dims.dK),
-                             v.block(lu.k0, lu.kvHead * dims.dV, lu.nK, kvs * dims.dV), dims.dK, dims.dV,
-                             itemMask(mask, lu), dropout, lead.i0, lead.rows, kBegin, kEnd, sc, false);
+          decodeGroupSplit(first, members, s, sc.group.data() + (s == 0 ? 0 : members), sc);
         } else {
           Index j0 = kBegin;
           do {  // once for an empty split: its states start, empty
