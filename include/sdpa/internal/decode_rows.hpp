@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 #include "cpu.hpp"
 #include "decode_pieces.hpp"
