@@ -451,13 +451,14 @@ TEST_CASE("a scale above 1 multiplies the logits, not q: |q| near the largest fl
   // tau = 5.6, q_c = 3e38 against k_c = 1e-40 (subnormal): q_c k_c = 3e-2 and every logit is
   // finite, but a folded tau q_c is inf, which made the tiled row NaN (found by tests/fuzz).
   // Every kernel now computes tau (q k^T) where |tau| > 1, as the plain computation does, and
-  // agrees with the oracle; |tau| <= 1 keeps the fold, where it cannot overflow.
+  // agrees with the oracle; |tau| <= 1 keeps the fold, where it cannot overflow. At tau = 1 the
+  // fold of base-2 tiles (tau log2(e) q_c = 4.3e38) would overflow: those tiles are not taken.
   const Index nQ = 7, nK = 11, dK = 3, dV = 2;
   Mat<float> q = randn<float>(nQ, dK, 61), k = randn<float>(nK, dK, 62);
   const Mat<float> v = randn<float>(nK, dV, 63), dOut = randn<float>(nQ, dV, 64);
   q.col(2).setConstant(3e38f);
   k.col(2).setConstant(1e-40f);
-  for (const double tau : {5.6, -2.0, 0.75}) {
+  for (const double tau : {5.6, -2.0, 0.75, 1.0}) {
     DYNAMIC_SECTION("tau " << tau) {
       const scale::Constant sc{tau};
       const auto causal = mask::Causal{mask::Align::UpperLeft};
@@ -482,6 +483,37 @@ TEST_CASE("a scale above 1 multiplies the logits, not q: |q| near the largest fl
               errorBound<float>(maxAbsDiff(plain.dq.leftCols(2), gdq), maxAbs(gdq)));
       });
     }
+  }
+}
+
+TEST_CASE("q near the largest float in one entry, stored by columns or by keys, over several heads",
+          "[extreme][tiled]") {
+  // The scan that bounds a head's logits (whether base-2 tiles may fold log2(e) into q) reads
+  // every entry of every head in either storage order: one q entry of 3e38, in the last row and
+  // column of head 1, against keys of 1e-40 in that column, tau = 1 (3e38 log2(e) overflows).
+  const Index n = 9, d = 4, H = 3;
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Mat<float> q = randn<float>(n, H * d, 71), k = randn<float>(n, H * d, 72);
+  const Mat<float> v = randn<float>(n, H * d, 73);
+  q(n - 1, 2 * d - 1) = 3e38f;
+  k.col(2 * d - 1).setConstant(1e-40f);
+  const RowMajor qr = q, kr = k, vr = v;
+  const auto visible = [](Index, Index) { return true; };
+  for (const Index h : {Index(0), Index(1), Index(2)}) {
+    INFO("head " << h);
+    const auto cols = [&](const auto& m) { return Mat<float>(m.middleCols(h * d, d)); };
+    const auto gold = referenceAttention<long double>(cols(q), cols(k), cols(v), 1.0L, visible, noBias());
+    const auto plain = referenceAttention<float>(cols(q), cols(k), cols(v), 1.0L, visible, noBias());
+    const Mat<double> want = gold.output.template cast<double>();
+    const double bound = errorBound<float>(maxAbsDiff(plain.output, want), maxAbs(want));
+    const auto byColumns = sdpa::multiHeadAttention(q, k, v, sdpa::Heads{H}, scale::None{});
+    const auto byKeys = sdpa::multiHeadAttention(qr, kr, vr, sdpa::Heads{H}, scale::None{});
+    REQUIRE(byColumns.allFinite());
+    REQUIRE(byKeys.allFinite());
+    CHECK(maxAbsDiff(Mat<float>(byColumns.middleCols(h * d, d)), want) <= bound);
+    CHECK(maxAbsDiff(Mat<float>(byKeys.middleCols(h * d, d)), want) <= bound);
+    const auto one = sdpa::attentionForward(cols(qr), cols(kr), cols(vr), scale::None{});
+    CHECK(maxAbsDiff(one.output, want) <= bound);
   }
 }
 
