@@ -290,6 +290,36 @@ void BM_ForwardLayout(benchmark::State& state) {
   sdpa_bench::reportLayoutRatio(state, seconds);
 }
 
+/// BM_ForwardLayout over 8 heads side by side: q, k and v n x 8 d, column-major or row-major
+/// (PyTorch's and ONNX Runtime's [n, heads x d]: a head a block of columns, its rows 8 d floats
+/// apart), each read in place, into preallocated outputs; "xColumnMajor" as there.
+/// args: n, d, threads, rowMajor
+void BM_ForwardHeadsLayout(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1), H = 8;
+  sdpa_bench::setThreads(int(state.range(2)));
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::MatrixXf out(n, H * d), lse(n, H);
+  const auto run = [&](const auto& q, const auto& k, const auto& v) {
+    sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H}, out, lse);
+    const sdpa_bench::LoopTimer timer;
+    for (auto _ : state) {
+      sdpa::multiHeadAttentionForwardInto(q, k, v, sdpa::Heads{H}, out, lse);
+      benchmark::DoNotOptimize(out.data());
+    }
+    return timer.seconds();
+  };
+  double seconds = 0;
+  if (state.range(3)) {
+    const RowMajor q = input(n, H * d, 1), k = input(n, H * d, 2), v = input(n, H * d, 3);
+    seconds = run(q, k, v);
+  } else {
+    const Eigen::MatrixXf q = input(n, H * d, 1), k = input(n, H * d, 2), v = input(n, H * d, 3);
+    seconds = run(q, k, v);
+  }
+  sdpa_bench::reportFlops(state, 4.0 * double(n) * double(n) * double(d * H), seconds, n, n, d * H);
+  sdpa_bench::reportLayoutRatio(state, seconds, H);
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "d", "threads"});
   for (const Index n : {128, 512, 2048, 8192})
@@ -348,6 +378,15 @@ BENCHMARK(BM_SoftmaxTile)->ArgNames({"figures"})->DenseRange(0, 2);
 BENCHMARK(BM_ForwardLayout)
     ->ArgNames({"n", "d", "threads", "rowMajor"})
     ->ArgsProduct({{4096, 16384}, {64, 128}, {1}, {0, 1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForwardHeadsLayout)
+    ->ArgNames({"n", "d", "threads", "rowMajor"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const auto& [n, d] : {std::pair<Index, Index>{1024, 64}, {1024, 128}, {4096, 64}})
+        for (const Index threads : {1, 2})
+          for (const Index rowMajor : {0, 1}) b->Args({n, d, threads, rowMajor});
+    })
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // Threads: one head with n_q >= 1024, and 8 heads.

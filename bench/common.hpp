@@ -205,14 +205,15 @@ inline double bf16DotPeakGflops() {
 }
 
 /**
- * The storage-order benchmarks' "xColumnMajor" (BM_ForwardLayout, BM_BackwardLayout; args n, d,
- * threads, rowMajor): the column-major run of a shape, registered first, records its time per
- * call; the row-major and mixed runs of the same shape report their own time over it.
+ * The storage-order benchmarks' "xColumnMajor" (BM_ForwardLayout, BM_ForwardHeadsLayout,
+ * BM_BackwardLayout; args n, d, threads, rowMajor): the column-major run of a shape, registered
+ * first, records its time per call; the row-major and mixed runs of the same shape report their
+ * own time over it. `heads` keeps apart the shapes of benchmarks over different head counts.
  */
-inline void reportLayoutRatio(benchmark::State& state, double seconds) {
+inline void reportLayoutRatio(benchmark::State& state, double seconds, Index heads = 1) {
   static std::map<std::vector<Index>, double> columnMajor;
   if (state.iterations() == 0) return;
-  const std::vector<Index> key{state.range(0), state.range(1), state.range(2)};
+  const std::vector<Index> key{heads, state.range(0), state.range(1), state.range(2)};
   const double perCall = seconds / double(state.iterations());
   if (!state.range(3))
     columnMajor[key] = perCall;
