@@ -755,8 +755,12 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
   if (useFast) {
     bounds.resize(pairs.size());
     // A pass over each pair's q and k, on the call's threads (on one, 0.75-1.5% of a Heads{8}
-    // prefill at n 4096, d 64, which a second thread otherwise waits out).
-    parallelFor(Index(pairs.size()), threads, [&](Index i) {
+    // prefill at n 4096, d 64, which a second thread otherwise waits out); on one where there
+    // is too little to scan to pay for a parallel region.
+    Index scanned = 0;
+    for (const ItemHead& u : pairs) scanned += prefill(u) ? (u.nQ + u.nK) * dims.dK : 0;
+    constexpr Index kParallelScan = Index(1) << 18;  // floats (1 MiB): tens of microseconds
+    parallelFor(Index(pairs.size()), scanned >= kParallelScan ? threads : 1, [&](Index i) {
       const auto p = size_t(i);
       const ItemHead& u = pairs[p];
       // Decoding pairs take the general kernel, which needs no bound: a scan of their k (all of
