@@ -952,10 +952,9 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
         newKv = p.kvHead != u.kvHead;
         return !newKv || groupKv < kvPerGroup;
       }();
-      if (!joins) {
+      if (!joins) {  // (then newKv is true: a unit of the same kv head joins)
         groupStart.push_back(i);
         groupKv = 0;
-        newKv = true;
       }
       groupKv += newKv ? 1 : 0;
     }
