@@ -53,14 +53,18 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
   RefResult<T> r{Mat<T>::Zero(nQ, dV), Vec<T>::Constant(nQ, -std::numeric_limits<T>::infinity())};
   std::vector<T> s(static_cast<size_t>(nK));
   // Column-major entries read through their pointers: the same arithmetic as q(i, c), without
-  // Eigen's checked accessors, which dominate the sanitizer build's time at -O0.
+  // Eigen's checked accessors, which dominate the sanitizer build's time at -O0. visible(i, j)
+  // is asked once per pair and kept (seen), as bias(i, j) is: at -O0 a std::function call
+  // costs more than the pair's arithmetic.
+  std::vector<char> seen(static_cast<size_t>(nK));
   const In *qd = q.data(), *kd = k.data(), *vd = v.data();
   T* od = r.output.data();
   for (Index i = 0; i < nQ; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     bool nan = false;
     for (Index j = 0; j < nK; ++j) {
-      if (!visible(i, j)) continue;
+      seen[size_t(j)] = visible(i, j);
+      if (!seen[size_t(j)]) continue;
       T dot = 0;
       for (Index c = 0; c < dK; ++c) dot += T(qd[i + c * nQ]) * T(kd[j + c * nK]);
       T logit = T(tau) * dot;
@@ -78,9 +82,9 @@ RefResult<T> referenceAttention(const Mat<In>& q, const Mat<In>& k, const Mat<In
     if (m == -std::numeric_limits<T>::infinity()) continue;
     T sum = 0;
     for (Index j = 0; j < nK; ++j)
-      if (visible(i, j)) sum += std::exp(s[size_t(j)] - m);
+      if (seen[size_t(j)]) sum += std::exp(s[size_t(j)] - m);
     for (Index j = 0; j < nK; ++j) {
-      if (!visible(i, j)) continue;
+      if (!seen[size_t(j)]) continue;
       const T p = std::exp(s[size_t(j)] - m) / sum;
       if (p == T(0)) continue;
       for (Index c = 0; c < dV; ++c) od[i + c * nQ] += p * T(vd[j + c * nK]);
@@ -111,12 +115,14 @@ RefGradients<T> referenceBackward(const Mat<In>& q, const Mat<In>& k, const Mat<
   const Index nQ = q.rows(), nK = k.rows(), dK = q.cols(), dV = v.cols();
   RefGradients<T> g{Mat<T>::Zero(nQ, dK), Mat<T>::Zero(nK, dK), Mat<T>::Zero(nK, dV), T(0), Mat<T>::Zero(nQ, nK)};
   std::vector<T> x(static_cast<size_t>(nK)), p(static_cast<size_t>(nK)), dp(static_cast<size_t>(nK));
+  std::vector<char> seen(static_cast<size_t>(nK));
   const In *qd = q.data(), *kd = k.data(), *vd = v.data(), *od = dO.data();  // as in referenceAttention
   T *dqd = g.dq.data(), *dkd = g.dk.data(), *dvd = g.dv.data();
   for (Index i = 0; i < nQ; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     for (Index j = 0; j < nK; ++j) {
-      if (!visible(i, j)) continue;
+      seen[size_t(j)] = visible(i, j);
+      if (!seen[size_t(j)]) continue;
       T dot = 0;
       for (Index c = 0; c < dK; ++c) dot += T(qd[i + c * nQ]) * T(kd[j + c * nK]);
       x[size_t(j)] = dot;
@@ -128,10 +134,10 @@ RefGradients<T> referenceBackward(const Mat<In>& q, const Mat<In>& k, const Mat<
     if (m == -std::numeric_limits<T>::infinity()) continue;
     T sum = 0;
     for (Index j = 0; j < nK; ++j)
-      if (visible(i, j)) sum += std::exp(p[size_t(j)] - m);
+      if (seen[size_t(j)]) sum += std::exp(p[size_t(j)] - m);
     T d = 0;
     for (Index j = 0; j < nK; ++j) {
-      if (!visible(i, j)) continue;
+      if (!seen[size_t(j)]) continue;
       p[size_t(j)] = std::exp(p[size_t(j)] - m) / sum;
       T dpj = 0;
       for (Index c = 0; c < dV; ++c) dpj += T(od[i + c * nQ]) * T(vd[j + c * nK]);
@@ -139,7 +145,7 @@ RefGradients<T> referenceBackward(const Mat<In>& q, const Mat<In>& k, const Mat<
       d += p[size_t(j)] * dpj;
     }
     for (Index j = 0; j < nK; ++j) {
-      if (!visible(i, j)) continue;
+      if (!seen[size_t(j)]) continue;
       for (Index c = 0; c < dV; ++c) dvd[j + c * nK] += p[size_t(j)] * T(od[i + c * nQ]);
       T dy = p[size_t(j)] * (dp[size_t(j)] - d);
       g.dbias(i, j) = dy;
