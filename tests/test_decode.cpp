@@ -289,8 +289,9 @@ TEMPLATE_TEST_CASE(
   // fused multiply-adds on AVX2 and AVX-512 (the portable instance of a build without FMA rounds
   // each product: within the bound). A key's logit is the same in any block of keys and at any
   // row stride (a head of a packed batch gives the single head's bits); each row is its own.
-  // Rows 1-2 (passes of that many), from 3 one pass over the keys (blocks of 4 rows, whose 16 or
-  // 8 sums one tree reduces, and a rest of 1-3): 3, 4, 5, 7, 8, 16, 17 against each row alone;
+  // Any number of rows one pass over the keys (blocks of 4 rows, whose 16 or 8 sums one tree
+  // reduces, and a rest of 1-3; the values' passes as wide as the fewest rows allow): 1, 2, 3, 4,
+  // 5, 7, 8, 16, 17 against each row alone;
   // d 37 (column tails past every vector width), 64 and 8; n 1037 (the values in 17 blocks of
   // keys, the rows ahead requested up to the last) and 3 (fewer keys than a block).
   using T = TestType;
@@ -365,7 +366,7 @@ TEMPLATE_TEST_CASE("decoding's by-key kernels over several kv heads side by side
   // kernels (decodeLogitsByKeyHeads, decodeValuesByKeyHeads) take a block of keys for every head
   // in turn; each head's rows must get exactly the logits and values of a call over that head
   // alone (decodeLogitsByKey, decodeValuesByKey), whatever its number of rows (0 for a head the
-  // chunk hides, 1-2 in passes, from 3 one pass, 5 and 17 with a rest), with keys past the last
+  // chunk hides, 1-4, 5 and 17: blocks of 4 and a rest), with keys past the last
   // block (n 1037, 3) and column tails (d 37).
   using T = TestType;
   std::mt19937_64 gen(53);

@@ -326,7 +326,7 @@ template <typename T>
 bool decodeLogitsByKeyHeads(const float* const* a, const Index* rows, Index G, const T* const* k, Index ldk, Index d,
                             Index n, float* const* s) {
   return withDecodeSimdReading<T>([&](auto simd) {
-    if (G == 1)  // (with its requests of the keys ahead, for many rows)
+    if (G == 1)  // (its chunk read first, or its requests of the keys ahead)
       logitsByKey(simd, a + rows[0], rows[1] - rows[0], k[0], ldk, d, n, s + rows[0]);
     else
       logitsByKeyHeads(simd, a, rows, G, k, ldk, d, n, s);
