@@ -192,6 +192,49 @@ TEST_CASE("multi-token decoding: 5 to 32 query rows against many keys, each row 
   }
 }
 
+TEST_CASE("one head stored by keys over many chunks: the next reads requested during the products, the same bits",
+          "[decode][rowmajor]") {
+  // One float head whose k and v are each one run of memory (row-major, row stride d): decoding
+  // requests a chunk's values while it computes the chunk's logits, and the next chunk's keys
+  // while it computes the values (ByKeyReads, StreamRequests), where other strides read each
+  // chunk as they go. Requests change no arithmetic: the bits of the same keys at a wider row
+  // stride, within the float rule of the oracle; with a window that hides the first chunks (no
+  // request before the first chunk it sees) and a length that ends inside a chunk. d 128: chunks
+  // of 1024 keys (decodeKeys), 4 and a part here.
+  const Index nK = 4 * 1024 + 77, d = 128, wide = d + 3;
+  const Mat<float> k = randn<float>(nK, d, 141), v = randn<float>(nK, d, 142);
+  const RowMat<float> kr = k, vr = v;
+  RowMat<float> kWide = RowMat<float>::Constant(nK, wide, std::numeric_limits<float>::quiet_NaN()), vWide = kWide;
+  kWide.leftCols(d) = k;
+  vWide.leftCols(d) = v;
+  using Strided = Eigen::Map<const RowMat<float>, 0, Eigen::OuterStride<>>;
+  const Strided kStrided(kWide.data(), nK, d, Eigen::OuterStride<>(wide)),
+      vStrided(vWide.data(), nK, d, Eigen::OuterStride<>(wide));
+  const long double tau = 1.0L / std::sqrt((long double)d);
+  for (const Index nQ : {1, 2, 3}) {
+    INFO("n_q " << nQ);
+    const Mat<float> q = randn<float>(nQ, d, 143);
+    const Index offset = nK - nQ;
+    const auto window = mask::SlidingWindow{2500, 0, Align::LowerRight};
+    const auto inWindow = [=](Index i, Index j) { return j <= i + offset && j >= i + offset - 2500; };
+    const auto shorter = mask::KeyLength{nK - 600};
+    const auto inLength = [=](Index, Index j) { return j < nK - 600; };
+    forEachIsa([&](Isa) {
+      const auto check = [&](const auto& m, const auto& visible) {
+        const auto runs = sdpa::attentionForward(q, kr, vr, scale::InvSqrtDk{}, m);
+        const auto strided = sdpa::attentionForward(q, kStrided, vStrided, scale::InvSqrtDk{}, m);
+        CHECK(runs.output == strided.output);
+        CHECK(runs.logSumExp == strided.logSumExp);
+        checkForwardResult<float>(runs, nQ, d, referenceAttention<long double>(q, k, v, tau, visible, noBias()),
+                                  referenceAttention<float>(q, k, v, tau, visible, noBias()));
+      };
+      check(mask::None{}, allVisible());
+      check(window, inWindow);
+      check(shorter, inLength);
+    });
+  }
+}
+
 TEST_CASE("decoding with tau > 1 (applied to the logits, not folded into q) matches the oracle", "[tiled][decode]") {
   // A few rows against many keys take the decoding kernel, whose tau > 1 multiplies the logits
   // after the product (foldsScaleIntoQuery); prefill tests do not reach that line.

@@ -22,6 +22,58 @@
 #include "half.hpp"
 #include "macros.hpp"
 
+namespace sdpa::internal {
+
+/**
+ * Requests a range that a later pass reads into L2 (prefetcht1), a few cache lines a step of the
+ * pass running now, as 8 sequential streams side by side (the range in 8 parts, each requested
+ * in order, as streamIntoL2 reads them): the next pass's keys then come from memory while this
+ * one computes, where reading them first waits for them. One float head stored by keys, 65536
+ * keys of d 128, one thread of a first-generation EPYC (session 49): a test program's own
+ * kernels took 4.1-4.5 ms so against 5.5-5.6 read first and 5.9-6.6 with the hardware
+ * prefetchers alone (16 GB/s of k and v: the read probe's rate); bench_decode's one-row call
+ * 6.2-6.3 -> 5.3 ms, two rows 7.8 -> 6.5-6.6 (stored by columns 4.6-4.8 and 5.2-5.3).
+ */
+class StreamRequests {
+ public:
+  StreamRequests() = default;
+  /// `bytes` from x (none for null) over `steps` calls of step().
+  StreamRequests(const void* x, Index bytes, Index steps)
+      : base_(static_cast<const char*>(x)),
+        bytes_(x ? bytes : 0),
+        lines_((bytes_ + kStreams * kLine - 1) / (kStreams * kLine)),
+        steps_(std::max<Index>(steps, 1)) {}
+  /// Each stream's next lines: after k calls, about k / steps of the range (no division: the
+  /// kernels call it once a key or a block of keys).
+  void step() {
+    if (done_ == lines_) return;
+    for (credit_ += lines_; credit_ > 0 && done_ < lines_; credit_ -= steps_, ++done_)
+      for (Index g = 0; g < kStreams; ++g) {
+        const Index at = (g * lines_ + done_) * kLine;
+        if (at < bytes_) __builtin_prefetch(base_ + at, 0, 2);
+      }
+  }
+
+ private:
+  static constexpr Index kStreams = 8, kLine = 64;
+  const char* base_ = nullptr;
+  Index bytes_ = 0, lines_ = 0, steps_ = 1, credit_ = 0, done_ = 0;
+};
+
+/**
+ * How a by-key pass over one run of float keys (one head stored by keys) reads them: `requested`,
+ * whether the pass before requested them (StreamRequests), else they are read into L2 first; and
+ * the range the pass after this one reads (`next`, `nextBytes`; none: null), requested as this
+ * one goes. Other storage ignores them.
+ */
+struct ByKeyReads {
+  bool requested = false;
+  const void* next = nullptr;
+  Index nextBytes = 0;
+};
+
+}  // namespace sdpa::internal
+
 namespace sdpa::internal::decode_simd {
 
 // The vector operations of each instance. Simd is the instance's tag: the dispatched entry points
@@ -324,23 +376,23 @@ bool decodeValuesByKey(const float* const* p, Index R, const T* v, Index ldv, In
  */
 template <typename T>
 bool decodeLogitsByKeyHeads(const float* const* a, const Index* rows, Index G, const T* const* k, Index ldk, Index d,
-                            Index n, float* const* s) {
+                            Index n, float* const* s, const ByKeyReads& reads = {}) {
   return withDecodeSimdReading<T>([&](auto simd) {
-    if (G == 1)  // (its chunk read first, or its requests of the keys ahead)
-      logitsByKey(simd, a + rows[0], rows[1] - rows[0], k[0], ldk, d, n, s + rows[0]);
+    if (G == 1)  // (its chunk read first or requested before, or its requests of the keys ahead)
+      logitsByKey(simd, a + rows[0], rows[1] - rows[0], k[0], ldk, d, n, s + rows[0], reads);
     else
       logitsByKeyHeads(simd, a, rows, G, k, ldk, d, n, s);
   });
 }
 
 /// decodeValuesByKey for the rows of G kv heads side by side in v's rows (as
-/// decodeLogitsByKeyHeads's k): the bits of decodeValuesByKey.
+/// decodeLogitsByKeyHeads's k): the bits of decodeValuesByKey. `reads` as decodeLogitsByKeyHeads's.
 template <typename T>
 bool decodeValuesByKeyHeads(const float* const* p, const Index* rows, Index G, const T* const* v, Index ldv, Index dV,
-                            Index n, float* const* dots) {
+                            Index n, float* const* dots, const ByKeyReads& reads = {}) {
   return withDecodeSimdReading<T>([&](auto simd) {
     if (G == 1)
-      valuesByKey(simd, p + rows[0], rows[1] - rows[0], v[0], ldv, dV, n, dots + rows[0]);
+      valuesByKey(simd, p + rows[0], rows[1] - rows[0], v[0], ldv, dV, n, dots + rows[0], reads);
     else
       valuesByKeyHeads(simd, p, rows, G, v, ldv, dV, n, dots);
   });

@@ -233,6 +233,11 @@ struct forward_tiled_impl {
       sc.runK[size_t(g)] = k.derived().data() + kv * dK * (kByKey ? 1 : ldk);
       sc.runV[size_t(g)] = v.derived().data() + kv * dV * (vByKey ? 1 : ldv);
     }
+    // One kv head whose k and v are each one run of keys (stored by keys, no other head between
+    // them): a chunk's values are requested while its logits are computed, the next chunk's keys
+    // while its values are (ByKeyReads), so that memory streams during the products.
+    const bool runs = std::is_same_v<In, float> && kByKey && vByKey && G == 1 && ldk == dK && ldv == dV;
+    Index requestedChunk = -1;  // the first key of the chunk whose keys the last values pass requested
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
       Index R = 0;
@@ -257,12 +262,15 @@ struct forward_tiled_impl {
       // Several kv heads stored by keys: the chunk's rows read whole, a block of keys at a time,
       // each block for every head (the bits of each head's call alone).
       for (Index g = 0; g < G; ++g) sc.runAt[size_t(g)] = sc.runK[size_t(g)] + j0 * (kByKey ? ldk : 1);
-      if constexpr (kByKey)
-        decodeLogitsByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldk, dK, cols, sc.rowsS.data());
-      else
+      if constexpr (kByKey) {
+        ByKeyReads reads;
+        if (runs) reads = {requestedChunk == j0, sc.runV[0] + j0 * ldv, cols * dV * Index(sizeof(In))};
+        decodeLogitsByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldk, dK, cols, sc.rowsS.data(), reads);
+      } else {
         for (Index g = 0; g < G; ++g)
           decodeLogitsRows(sc.rowsA.data() + runRows[g], runRows[g + 1] - runRows[g], sc.runAt[size_t(g)], ldk, dK,
                            cols, sc.rowsS.data() + runRows[g]);
+      }
       R = 0;
       for (Index g = 0; g < G; ++g) {
         sc.runRows[size_t(g)] = R;
@@ -279,12 +287,22 @@ struct forward_tiled_impl {
         }
       }
       for (Index g = 0; g < G; ++g) sc.runAt[size_t(g)] = sc.runV[size_t(g)] + j0 * (vByKey ? ldv : 1);
-      if constexpr (vByKey)
-        decodeValuesByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldv, dV, cols, sc.rowsD.data());
-      else
+      if constexpr (vByKey) {
+        ByKeyReads reads;
+        if (runs) {
+          reads.requested = true;
+          if (j0 + chunk < kEnd) {
+            reads.next = sc.runK[0] + (j0 + chunk) * ldk;
+            reads.nextBytes = std::min(chunk, kEnd - j0 - chunk) * dK * Index(sizeof(In));
+            requestedChunk = j0 + chunk;
+          }
+        }
+        decodeValuesByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldv, dV, cols, sc.rowsD.data(), reads);
+      } else {
         for (Index g = 0; g < G; ++g)
           decodeValuesRows(sc.rowsA.data() + runRows[g], runRows[g + 1] - runRows[g], sc.runAt[size_t(g)], ldv, dV,
                            cols, sc.rowsD.data() + runRows[g]);
+      }
       for (Index g = 0; g < G; ++g) {
         const Index kv = members[sc.runFirst[size_t(g)]].kv;
         for (Index m = sc.runFirst[size_t(g)]; m < sc.runFirst[size_t(g) + 1]; ++m) {
