@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../dropout.hpp"
@@ -92,6 +93,11 @@ struct forward_tiled_impl {
     std::vector<char> active;                  // its heads that see the chunk
     std::vector<Index> runFirst, runRows;      // its kv heads' first members and first rows
     std::vector<const In*> runK, runV, runAt;  // their k and v, and at the chunk's first key
+    // A key split's last values pass requests the first chunk of the split after it where that
+    // split runs next on this thread (followOn, which the caller sets per call): `requested`,
+    // those keys' address, tells the next call that it need not read them first.
+    bool followOn = false;
+    const void* requested = nullptr;
   };
   static Scratch& threadScratch() {
     thread_local Scratch scratch;
@@ -201,6 +207,7 @@ struct forward_tiled_impl {
                            Index i0, Index bq, Index kBegin, Index kEnd, Scratch& sc, bool resume) {
     const Index nK = k.rows(), chunk = decodeKeys(dK, dV);
     const Index ldk = k.derived().outerStride(), ldv = v.derived().outerStride();
+    const void* requested = std::exchange(sc.requested, nullptr);  // (by the call before, if any)
     constexpr bool kByKey = !ColumnsAre<DK>::contiguous, vByKey = !ColumnsAre<DV>::contiguous;
     Acc* qsAll = sc.qs.get(count * bq * dK);
     Acc* sAll = sc.s.get(count * bq * chunk);
@@ -237,7 +244,9 @@ struct forward_tiled_impl {
     // them): a chunk's values are requested while its logits are computed, the next chunk's keys
     // while its values are (ByKeyReads), so that memory streams during the products.
     const bool runs = std::is_same_v<In, float> && kByKey && vByKey && G == 1 && ldk == dK && ldv == dV;
-    Index requestedChunk = -1;  // the first key of the chunk whose keys the last values pass requested
+    // The first key of the chunk whose keys the last values pass requested (this call's or, for
+    // its first chunk, the call before's: the split before this one, on this thread).
+    Index requestedChunk = runs && requested == sc.runK[0] + kBegin * ldk ? kBegin : -1;
     for (Index j0 = kBegin; j0 < kEnd; j0 += chunk) {
       const Index cols = std::min(chunk, kEnd - j0);
       Index R = 0;
@@ -295,6 +304,10 @@ struct forward_tiled_impl {
             reads.next = sc.runK[0] + (j0 + chunk) * ldk;
             reads.nextBytes = std::min(chunk, kEnd - j0 - chunk) * dK * Index(sizeof(In));
             requestedChunk = j0 + chunk;
+          } else if (sc.followOn && kEnd < nK) {  // the next split's first chunk
+            reads.next = sc.runK[0] + kEnd * ldk;
+            reads.nextBytes = std::min(chunk, nK - kEnd) * dK * Index(sizeof(In));
+            sc.requested = reads.next;
           }
         }
         decodeValuesByKeyHeads(sc.rowsA.data(), runRows, G, sc.runAt.data(), ldv, dV, cols, sc.rowsD.data(), reads);
@@ -1021,8 +1034,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
         const Index at = grouped ? groupStart[size_t(i)] : latestFirst ? Index(units.size()) - 1 - i : i;
         const Unit& w = units[size_t(at)];
         if (fastUnit(w)) return;
+        // (Split s + 1 follows split s on this thread: each requests the next one's first keys.)
+        sc.followOn = w.splits > 1;
         slice(w, 0, sc.state, sc, stats ? &sc.rows : nullptr);
         for (Index s = 1; s < w.splits; ++s) {
+          sc.followOn = s + 1 < w.splits;
           slice(w, s, sc.part, sc, stats ? &sc.partRows : nullptr);
           sc.state.merge(sc.part);
           if (stats)
@@ -1039,7 +1055,9 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       for (Index s = 0; s < lead.splits; ++s) {
         const Index kBegin = splitBegin(lead, s), kEnd = splitBegin(lead, s + 1);
         if constexpr (std::is_same_v<In, float>) {
+          sc.followOn = s + 1 < lead.splits;
           decodeGroupSplit(first, members, s, sc.group.data() + (s == 0 ? 0 : members), sc);
+          sc.followOn = false;
         } else {
           Index j0 = kBegin;
           do {  // once for an empty split: its states start, empty
