@@ -748,12 +748,13 @@ TEMPLATE_TEST_CASE("KvCache: results do not depend on the thread count", "[kvcac
   CHECK((one.logSumExp.array() == two.logSumExp.array()).all());
 }
 
-TEMPLATE_TEST_CASE("KvCache: Intel's and the other CPUs' memory orders give the same bits", "[kvcache][isa]", float,
-                   Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
+TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's and first-generation Zen's memory orders give the same bits",
+                   "[kvcache][isa]", float, Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
   // CpuVendor picks how decoding walks memory: requests ahead of short pieces and of the next
   // chunk (ColumnsAhead, ChunkPrefetch: made off Intel), close half columns one at a time or
-  // eight side by side (halfColumnByColumn: one at a time off Intel). Requests and order change
-  // no sum, so both give the CPU's own order's bits, on every ISA path; the other tests check that
+  // eight side by side (halfColumnByColumn: one at a time off Intel), the narrow logits passes'
+  // requests of the next columns (not on first-generation Zen). Requests and order change
+  // no sum, so all three give the CPU's own order's bits, on every ISA path; the other tests check that
   // order against the reference. Blocks of 16-64 keys (short pieces, their successors
   // requested; q8/q4 from 32, a group), 256 and 512 (fp16/bf16: the long-piece column kernels
   // over close columns), the contiguous cache; 1, 4 (a GQA group) and 16 query rows per kv head
@@ -775,13 +776,17 @@ TEMPLATE_TEST_CASE("KvCache: Intel's and the other CPUs' memory orders give the 
       INFO("block " << block << ", Heads{" << heads.query << ", " << heads.keyValue << "}, n_q " << nQ);
       const Mat<float> qs = q.topLeftCorner(nQ, heads.query * d);
       sdpa_test::forEachIsa([&](sdpa::internal::Isa) {
-        CpuVendor::setIntel(1);
+        CpuVendor::setOrder(CpuVendor::Order::Intel);
         const auto intel = sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
-        CpuVendor::setIntel(0);
-        const auto other = sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
-        CpuVendor::setIntel(-1);
-        CHECK((intel.output.array() == other.output.array()).all());
-        CHECK((intel.logSumExp.array() == other.logSumExp.array()).all());
+        for (const auto order : {CpuVendor::Order::Amd, CpuVendor::Order::FirstZen}) {
+          INFO("order " << int(order));
+          CpuVendor::setOrder(order);
+          const auto other =
+              sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
+          CHECK((intel.output.array() == other.output.array()).all());
+          CHECK((intel.logSumExp.array() == other.logSumExp.array()).all());
+        }
+        CpuVendor::setOrder(-1);
       });
     }
   }

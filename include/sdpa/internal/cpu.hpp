@@ -2,6 +2,7 @@
 #define SDPA_INTERNAL_CPU_HPP
 
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 
@@ -101,35 +102,58 @@ class IsaChoice {
 };
 
 /**
- * Whether decoding reads memory in the order measured best on Intel's cores or on the others'
- * (AMD's): software requests ahead of the kernels (decode_cache.hpp's ColumnsAhead and
- * ChunkPrefetch) and the column order of short columns (half.hpp's halfColumnByColumn) went
- * opposite ways on the two vendors' prefetchers. The CPU's vendor, asked once; setIntel overrides
- * it (tests: every choice gives the same bits, and the tests run both on any CPU). Without
- * run-time dispatch, the non-Intel order.
+ * How decoding reads memory: the order measured best on Intel's cores, on AMD's, or on the first
+ * generation of AMD's Zen cores. Software requests ahead of the kernels (decode_cache.hpp's
+ * ColumnsAhead and ChunkPrefetch) and the column order of short columns (half.hpp's
+ * halfColumnByColumn) went opposite ways on the two vendors' prefetchers. First-generation Zen
+ * (`znver1`: family 23, models below 0x30) takes AMD's order except three requests that cost it
+ * (session 50, KvCache decoding, d 128, 65536 keys, one thread): the narrow logits passes'
+ * requests of the next columns (one token 5.5-5.6 -> 4.5 ms, 8 heads 41-46 -> 34 ms; they had
+ * paid on Zen 4 and an Emerald Rapids Xeon), the next chunk's (8 rows 16.6 -> 13.1-13.3 ms, 16
+ * rows 28.3 -> 24.4-24.8) and those of paged blocks up to 32 keys, which are read several at
+ * once instead (fp32 blocks of 16 6.6-6.8 -> 4.7 ms, fp16 6.0-6.2 -> 4.0; blocks of 64 keep their
+ * requests: 6.4 ms with, 7.2-7.5 without). The CPU's own order, asked once; setOrder overrides
+ * it (tests: every order gives the same bits, and the tests run each on any CPU). Without
+ * run-time dispatch, AMD's order.
  */
 class CpuVendor {
  public:
-  static bool intel() {
+  enum class Order : int { Intel = 0, Amd = 1, FirstZen = 2 };
+  static Order order() {
     const int forced = slot().load(std::memory_order_relaxed);
-    return forced < 0 ? detected() : forced != 0;
+    return forced < 0 ? detected() : Order(forced);
   }
-  /// Forces the order of later calls: 1 Intel's, 0 the others', -1 the CPU's own (not
-  /// thread-safe against running kernels; tests only).
-  static void setIntel(int forced) { slot().store(forced, std::memory_order_relaxed); }
+  static bool intel() { return order() == Order::Intel; }
+  /// Whether the narrow logits passes over long columns request the next columns (rowLogits' Ahead).
+  static bool columnRequests() { return order() != Order::FirstZen; }
+  /// Whether the multi-row blocks request the next chunk while they compute (ChunkPrefetch).
+  static bool chunkRequests() { return order() == Order::Amd; }
+  /// Whether runs of short pieces alike of `keys` keys each (a paged sequence's blocks) are read
+  /// several at once without requests ahead, rather than one at a time with the piece after
+  /// next requested (ColumnsAhead): Intel's order, and first-generation Zen's up to 32 keys.
+  static bool groupsPieces(std::ptrdiff_t keys) {
+    const Order o = order();
+    return o == Order::Intel || (o == Order::FirstZen && keys <= kGroupedKeys);
+  }
+  /// Forces the order of later calls (-1: the CPU's own; not thread-safe against running
+  /// kernels; tests only).
+  static void setOrder(int forced) { slot().store(forced, std::memory_order_relaxed); }
+  static void setOrder(Order forced) { setOrder(int(forced)); }
 
  private:
-  static bool detected() {
+  static Order detected() {
 #if SDPA_HAS_ISA_DISPATCH
-    static const bool intel = [] {
+    static const Order order = [] {
       __builtin_cpu_init();
-      return __builtin_cpu_is("intel") != 0;
+      if (__builtin_cpu_is("intel")) return Order::Intel;
+      return __builtin_cpu_is("znver1") ? Order::FirstZen : Order::Amd;
     }();
-    return intel;
+    return order;
 #else
-    return false;
+    return Order::Amd;
 #endif
   }
+  static constexpr std::ptrdiff_t kGroupedKeys = 32;
   static std::atomic<int>& slot() {
     static std::atomic<int> forced{-1};
     return forced;

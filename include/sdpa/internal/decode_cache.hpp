@@ -209,7 +209,7 @@ struct decode_cache_impl {
       // chunk's memory stream, so the next chunk is prefetched meanwhile, where software
       // requests pay (ChunkPrefetch).
       sc.prefetch.clear();
-      if (Ra >= 8 && ci + 1 < c1 && ColumnsAhead::wanted())
+      if (Ra >= 8 && ci + 1 < c1 && CpuVendor::chunkRequests())
         nextChunk(plan, plan.chunks[size_t(ci + 1)], n, h, Ra, dK, dV, sc.prefetch);
       logits(plan, chunk, h, Ra, dK, sc);
       // A ring's oldest group may start before the first position it still holds.
@@ -389,14 +389,14 @@ struct decode_cache_impl {
 
   /// The pieces from t on that logits() reads together (cacheShortLogits): float-like pieces of
   /// at most ColumnsAhead::kKeys keys, the same count and stride, for at most 4 rows, where no
-  /// piece's successor is requested (CpuVendor: Intel's order) and the half column kernels do
-  /// not take the chunk; 1 otherwise.
+  /// piece's successor is requested (CpuVendor::groupsPieces: Intel's order, first-generation
+  /// Zen's shortest pieces) and the half column kernels do not take the chunk; 1 otherwise.
   static Index shortRun(const Plan& plan, const Chunk& chunk, Index t, Index R) {
     if constexpr (std::is_same_v<Plain, double>) {
       return 1;
     } else {
       const Piece& p = plan.cut[size_t(t)];
-      if (R > 4 || p.count > ColumnsAhead::kKeys || ColumnsAhead::wanted() ||
+      if (R > 4 || p.count > ColumnsAhead::kKeys || !CpuVendor::groupsPieces(p.count) ||
           halfColumns(plan, chunk) != half_columns::Path::None)
         return 1;
       Index u = t + 1;

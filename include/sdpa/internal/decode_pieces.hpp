@@ -40,7 +40,7 @@ struct SequenceView {
  * the whole list is spread evenly over `steps` calls. With 8 or more query rows the products of
  * a chunk take longer than its memory stream; without this the stream and the products follow
  * each other (the hardware prefetcher does not run past a chunk's short column runs: AMD EPYC,
- * sessions 25-26). Filled only where ColumnsAhead::wanted(): on an Emerald Rapids Xeon (session
+ * sessions 25-26). Filled only where CpuVendor::chunkRequests(): on an Emerald Rapids Xeon (session
  * 29; d 128, one thread, kernels without spills) fp32 decoding of 8 query rows over 65536 keys
  * took 6.2 ms with it and 4.3-4.4 without, 16 rows 8.6 and 7.3-7.4, GQA Heads{32, 4} at n_k 8192
  * 2.67 and 2.18. (Likely, not measured, this VM has no hardware counters: its requests to
