@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -128,12 +129,18 @@ class CpuVendor {
   static bool columnRequests() { return order() != Order::FirstZen; }
   /// Whether the multi-row blocks request the next chunk while they compute (ChunkPrefetch).
   static bool chunkRequests() { return order() == Order::Amd; }
-  /// Whether runs of short pieces alike of `keys` keys each (a paged sequence's blocks) are read
-  /// several at once without requests ahead, rather than one at a time with the piece after
-  /// next requested (ColumnsAhead): Intel's order, and first-generation Zen's up to 32 keys.
-  static bool groupsPieces(std::ptrdiff_t keys) {
-    const Order o = order();
-    return o == Order::Intel || (o == Order::FirstZen && keys <= kGroupedKeys);
+  /// The most keys of the short pieces (a paged sequence's blocks) whose runs alike are read
+  /// several at once without requests ahead, rather than one at a time with the piece after next
+  /// requested (ColumnsAhead): any in Intel's order, 32 in first-generation Zen's, none in AMD's.
+  static std::ptrdiff_t groupedPieceKeys() {
+    switch (order()) {
+      case Order::Intel:
+        return PTRDIFF_MAX;
+      case Order::FirstZen:
+        return 32;
+      default:
+        return 0;
+    }
   }
   /// Forces the order of later calls (-1: the CPU's own; not thread-safe against running
   /// kernels; tests only).
@@ -153,7 +160,6 @@ class CpuVendor {
     return Order::Amd;
 #endif
   }
-  static constexpr std::ptrdiff_t kGroupedKeys = 32;
   static std::atomic<int>& slot() {
     static std::atomic<int> forced{-1};
     return forced;

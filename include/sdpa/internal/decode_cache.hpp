@@ -389,14 +389,14 @@ struct decode_cache_impl {
 
   /// The pieces from t on that logits() reads together (cacheShortLogits): float-like pieces of
   /// at most ColumnsAhead::kKeys keys, the same count and stride, for at most 4 rows, where no
-  /// piece's successor is requested (CpuVendor::groupsPieces: Intel's order, first-generation
+  /// piece's successor is requested (CpuVendor::groupedPieceKeys: Intel's order, first-generation
   /// Zen's shortest pieces) and the half column kernels do not take the chunk; 1 otherwise.
   static Index shortRun(const Plan& plan, const Chunk& chunk, Index t, Index R) {
     if constexpr (std::is_same_v<Plain, double>) {
       return 1;
     } else {
       const Piece& p = plan.cut[size_t(t)];
-      if (R > 4 || p.count > ColumnsAhead::kKeys || !CpuVendor::groupsPieces(p.count) ||
+      if (R > 4 || p.count > ColumnsAhead::kKeys || p.count > CpuVendor::groupedPieceKeys() ||
           halfColumns(plan, chunk) != half_columns::Path::None)
         return 1;
       Index u = t + 1;
