@@ -4,7 +4,10 @@
 // storage's bytes per value), "xReadBandwidth" its ratio to the single-thread read bandwidth
 // measured in the same run, "xFloat" the speed-up over the fp32 cache of the same shape in the
 // same run, "xContiguous" a paged cache's time over the contiguous cache's, "xMHA" GQA's time over
-// 8-head MHA's over the same K/V, "xOneRow" n_q rows' time over one row's.
+// 8-head MHA's over the same K/V, "xOneRow" n_q rows' time over one row's. fp16 K/V also report
+// "xWiden": the least time that widening every value to float takes on the call's cores (2 n_k d
+// over BM_HalfWiden's one-core rate in the same run, over the threads) over the call's time.
+// xReadBandwidth and xWiden together say which bound holds: 1 where a token runs at it.
 //
 //   cmake --preset bench && cmake --build --preset bench && build/bench/bench/bench_kv_cache
 #include <sdpa/kv_cache.hpp>
@@ -75,6 +78,9 @@ void BM_CacheDecode(benchmark::State& state) {
   const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
   state.counters["GBps"] = bytes / perCall * 1e-9;
   state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
+  if constexpr (std::is_same_v<Storage, Eigen::half>)
+    if (const double rate = sdpa_bench::halfWidenGvalues(); rate > 0)
+      state.counters["xWiden"] = 2.0 * double(nK) * double(d) / (rate * 1e9 * double(state.range(2))) / perCall;
   const std::vector<Index> key{nK, d, state.range(2)};
   if constexpr (std::is_same_v<Storage, float>)
     seconds("float")[key] = perCall;
@@ -168,9 +174,17 @@ void BM_ReadBandwidth(benchmark::State& state) {
   state.counters["GBps"] = sdpa_bench::readBandwidthGBs();
 }
 
+/// fp16 values widened and multiplied into sums per second by one core, from L1
+/// (sdpa_bench::halfWidenGvalues): the ceiling of decoding from fp16 K/V whatever the memory.
+void BM_HalfWiden(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(sdpa_bench::halfWidenGvalues());
+  state.counters["GValuesps"] = sdpa_bench::halfWidenGvalues();
+}
+
 }  // namespace
 
 BENCHMARK(BM_ReadBandwidth)->Iterations(1);
+BENCHMARK(BM_HalfWiden)->Iterations(1);
 #define SDPA_CACHE_DECODE(T)                        \
   BENCHMARK(BM_CacheDecode<T>)                      \
       ->ArgNames({"nk", "d", "threads"})            \

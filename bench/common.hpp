@@ -10,6 +10,7 @@
 #endif
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <utility>
 #include <vector>
@@ -234,6 +235,77 @@ inline void reportFlops(benchmark::State& state, double flops, double seconds, I
   if (const double peak = fmaPeakGflops(); peak > 0) state.counters["xFMA"] = gflops / (peak * threads);
   if (const double peak = bf16DotPeakGflops(); peak > 0) state.counters["xBF16DOT"] = gflops / (peak * threads);
   if (const double ob = openblasSgemmGflops(nQ, nK, d); ob > 0) state.counters["xSGEMM_openblas"] = gflops / ob;
+}
+
+/**
+ * fp16 values one core widens to float and multiplies into a sum per second, in G values/s:
+ * 12 independent chains of vcvtph2ps (from L1) and a vector FMA, at the widest width the CPU
+ * runs (AVX-512, else AVX2 + F16C; chosen at run time, as the kernels are). Median of 5,
+ * measured once per run; 0 where neither exists. Decoding from fp16 K/V widens every value once
+ * (half.hpp's column kernels do exactly this per value), so 2 n_k d / this is the least time a
+ * token can take whatever the memory: where it exceeds the read time, the read-bandwidth target
+ * is out of reach (a first-generation EPYC: a 256-bit vcvtph2ps every 3 cycles, session 51).
+ */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC 12 warns of an uninitialised value inside its own _mm512_cvtph_ps (as half.hpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+__attribute__((target("avx512f"))) inline float widenChains512(long iters, const std::uint16_t* h) {
+  __m512 a[12];
+  const __m512 x = _mm512_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_setzero_ps();
+  for (long t = 0; t < iters; ++t) {
+    __asm__ volatile("" : : "r"(h) : "memory");  // the loads stay in the loop
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i)
+      a[i] = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h + 16 * i))), a[i]);
+  }
+  __m512 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, s);
+  return out[0];
+}
+__attribute__((target("avx2,fma,f16c"))) inline float widenChains256(long iters, const std::uint16_t* h) {
+  __m256 a[12];
+  const __m256 x = _mm256_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_setzero_ps();
+  for (long t = 0; t < iters; ++t) {
+    __asm__ volatile("" : : "r"(h) : "memory");
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i)
+      a[i] = _mm256_fmadd_ps(x, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h + 16 * i))), a[i]);
+  }
+  __m256 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, s);
+  return out[0];
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+inline double halfWidenGvalues() {
+  static double cached = -1;
+  if (cached >= 0) return cached;
+  cached = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool wide = __builtin_cpu_supports("avx512f");
+  // (Every AVX2 CPU has F16C, as half.hpp assumes; clang cannot ask __builtin_cpu_supports.)
+  if (!wide && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return cached;
+  // Each chain's 16 halves (32 bytes, 1 + i 2^-10): the same L1 lines every iteration.
+  alignas(64) static std::uint16_t h[12 * 16];
+  for (int i = 0; i < 12 * 16; ++i) h[i] = std::uint16_t(0x3c00 + (i & 63));
+  // chainsGflops's "FLOPs" an iteration: here the values widened, 12 vectors.
+  cached = chainsGflops([&](long iters) { return wide ? widenChains512(iters, h) : widenChains256(iters, h); },
+                        12.0 * (wide ? 16 : 8));
+#endif
+  return cached;
 }
 
 /**
