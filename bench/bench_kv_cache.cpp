@@ -109,6 +109,50 @@ void BM_CachePaged(benchmark::State& state) {
     state.counters["xContiguous"] = perCall / it->second;
 }
 
+/**
+ * One token, one head, through `layers` caches in turn (a model's layers: between two reads of one
+ * layer's K/V the others are read, so none is left in L3, where BM_CacheDecode and BM_CachePaged
+ * read one cache again and again). "xContiguous" a paged cache's time over the contiguous
+ * caches' in the same run. On a first-generation EPYC the two settings ranked some changes
+ * differently (PERFORMANCE.md, session 51). args: n_k, d, blockRows (0: contiguous), layers
+ */
+template <typename Storage>
+void BM_CacheLayers(benchmark::State& state) {
+  const Index nK = state.range(0), d = state.range(1), B = state.range(2), L = state.range(3);
+  sdpa_bench::setThreads(1);
+  std::vector<sdpa::KvCache<Storage>> caches;
+  for (Index l = 0; l < L; ++l) caches.push_back(filled<Storage>(nK, 1, d, B));
+  std::srand(5);
+  const Eigen::MatrixXf q = Eigen::MatrixXf::Random(1, d);
+  Eigen::MatrixXf out(1, d), lse(1, 1);
+  const auto mask = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
+  const auto call = [&](Index l) {
+    sdpa::cachedAttentionForwardInto(q, caches[size_t(l % L)].sequence(0), sdpa::Heads{1}, sdpa::scale::InvSqrtDk{},
+                                     mask, out, lse);
+  };
+  for (Index l = 0; l < L; ++l) call(l);
+  Index l = 0;
+  const sdpa_bench::LoopTimer timer;
+  for (auto _ : state) {
+    call(l++);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double perCall = state.iterations() ? timer.seconds() / double(state.iterations()) : 0.0;
+  if (perCall == 0) return;
+  const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
+  state.counters["GBps"] = bytes / perCall * 1e-9;
+  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
+  if constexpr (std::is_same_v<Storage, Eigen::half>)
+    if (const double rate = sdpa_bench::halfWidenGvalues(); rate > 0)
+      state.counters["xWiden"] = 2.0 * double(nK) * double(d) / (rate * 1e9) / perCall;
+  const std::vector<Index> key{nK, d, L};
+  const std::string table = "layers" + std::to_string(sizeof(Storage));
+  if (B == 0)
+    seconds(table)[key] = perCall;
+  else if (auto it = seconds(table).find(key); it != seconds(table).end())
+    state.counters["xContiguous"] = perCall / it->second;
+}
+
 /// GQA: Heads{H, 8} against Heads{8} over the same cache of 8 kv heads, d 128 (table: where the
 /// storage's MHA time is kept). args: n_k, H, threads
 template <typename Storage>
@@ -214,6 +258,16 @@ BENCHMARK(BM_CachePaged<sdpa::kv::Q8>)
 BENCHMARK(BM_CachePaged<sdpa::kv::Q4>)
     ->ArgNames({"nk", "d", "block"})
     ->ArgsProduct({{65536}, {128}, {0, 32, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheLayers<float>)
+    ->ArgNames({"nk", "d", "block", "layers"})
+    ->ArgsProduct({{65536}, {128}, {0, 16, 64, 256}, {4}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CacheLayers<Eigen::half>)
+    ->ArgNames({"nk", "d", "block", "layers"})
+    ->ArgsProduct({{65536}, {128}, {0, 16, 256}, {4}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CacheHeads)
