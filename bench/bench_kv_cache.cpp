@@ -67,6 +67,18 @@ double timeDecode(benchmark::State& state, const sdpa::KvCache<Storage>& cache, 
   return state.iterations() ? timer.seconds() / double(state.iterations()) : 0.0;
 }
 
+/// A token's K/V reads of one head (n_k x d each) in perCall seconds on `threads` threads: GBps,
+/// xReadBandwidth and, for fp16, xWiden (the file's header).
+template <typename Storage>
+void reportReads(benchmark::State& state, Index nK, Index d, double perCall, Index threads) {
+  const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
+  state.counters["GBps"] = bytes / perCall * 1e-9;
+  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
+  if constexpr (std::is_same_v<Storage, Eigen::half>)
+    if (const double rate = sdpa_bench::halfWidenGvalues(); rate > 0)
+      state.counters["xWiden"] = 2.0 * double(nK) * double(d) / (rate * 1e9 * double(threads)) / perCall;
+}
+
 /// One token, one head, contiguous cache. args: n_k, d, threads
 template <typename Storage>
 void BM_CacheDecode(benchmark::State& state) {
@@ -75,12 +87,7 @@ void BM_CacheDecode(benchmark::State& state) {
   const auto cache = filled<Storage>(nK, 1, d, 0);
   const double perCall = timeDecode(state, cache, 0, 1, 1);
   if (perCall == 0) return;
-  const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
-  state.counters["GBps"] = bytes / perCall * 1e-9;
-  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
-  if constexpr (std::is_same_v<Storage, Eigen::half>)
-    if (const double rate = sdpa_bench::halfWidenGvalues(); rate > 0)
-      state.counters["xWiden"] = 2.0 * double(nK) * double(d) / (rate * 1e9 * double(state.range(2))) / perCall;
+  reportReads<Storage>(state, nK, d, perCall, state.range(2));
   const std::vector<Index> key{nK, d, state.range(2)};
   if constexpr (std::is_same_v<Storage, float>)
     seconds("float")[key] = perCall;
@@ -126,25 +133,20 @@ void BM_CacheLayers(benchmark::State& state) {
   const Eigen::MatrixXf q = Eigen::MatrixXf::Random(1, d);
   Eigen::MatrixXf out(1, d), lse(1, 1);
   const auto mask = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
-  const auto call = [&](Index l) {
-    sdpa::cachedAttentionForwardInto(q, caches[size_t(l % L)].sequence(0), sdpa::Heads{1}, sdpa::scale::InvSqrtDk{},
+  const auto call = [&](Index layer) {
+    sdpa::cachedAttentionForwardInto(q, caches[size_t(layer % L)].sequence(0), sdpa::Heads{1}, sdpa::scale::InvSqrtDk{},
                                      mask, out, lse);
   };
   for (Index l = 0; l < L; ++l) call(l);
-  Index l = 0;
+  Index next = 0;
   const sdpa_bench::LoopTimer timer;
   for (auto _ : state) {
-    call(l++);
+    call(next++);
     benchmark::DoNotOptimize(out.data());
   }
   const double perCall = state.iterations() ? timer.seconds() / double(state.iterations()) : 0.0;
   if (perCall == 0) return;
-  const double bytes = 2.0 * double(nK) * double(d) * bytesPerValue<Storage>();
-  state.counters["GBps"] = bytes / perCall * 1e-9;
-  state.counters["xReadBandwidth"] = bytes / perCall * 1e-9 / sdpa_bench::readBandwidthGBs();
-  if constexpr (std::is_same_v<Storage, Eigen::half>)
-    if (const double rate = sdpa_bench::halfWidenGvalues(); rate > 0)
-      state.counters["xWiden"] = 2.0 * double(nK) * double(d) / (rate * 1e9) / perCall;
+  reportReads<Storage>(state, nK, d, perCall, 1);
   const std::vector<Index> key{nK, d, L};
   const std::string table = "layers" + std::to_string(sizeof(Storage));
   if (B == 0)
