@@ -757,15 +757,17 @@ TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's and first-generation Zen's memory or
   // passes' requests of the next columns (not on first-generation Zen). Requests and order change
   // no sum, so all three give the CPU's own order's bits, on every ISA path; the other tests check that
   // order against the reference. Blocks of 16-64 keys (short pieces, their successors
-  // requested; q8/q4 from 32, a group), 256 and 512 (fp16/bf16: the long-piece column kernels
-  // over close columns), the contiguous cache; 1, 4 (a GQA group) and 16 query rows per kv head
-  // (16: the wide blocks and the chunk requests, over 3 chunks of float keys at d 64).
+  // requested; q8/q4 from 32, a group), 100, 256 and 512 (fp16/bf16: the long-piece column
+  // kernels over close columns; float on first-generation Zen: four long pieces at once, column
+  // by column, 100 with keys past the last whole packet), the contiguous cache; 1, 4 (a GQA
+  // group) and 16 query rows per kv head (16: the wide blocks and the chunk requests, over 3
+  // chunks of float keys at d 64).
   using sdpa::internal::CpuVendor;
   std::mt19937_64 gen(37);
   const Index d = 64, n = 5000;
   const Mat<float> k = kvRows(n, 2 * d, gen), v = kvRows(n, 2 * d, gen), q = kvRows(16, 8 * d, gen, 2.0f);
   const auto mask = sdpa::mask::Causal{sdpa::mask::Align::LowerRight};
-  for (const Index block : {0, 16, 32, 64, 256, 512}) {
+  for (const Index block : {0, 16, 32, 64, 100, 256, 512}) {
     if (sdpa::internal::quant::IsQuantised<TestType> && block % 32 != 0) continue;  // whole groups
     auto cache =
         block ? KvCache<TestType>::paged({2, d, d}, block, n / block + 1) : KvCache<TestType>::contiguous({2, d, d}, n);

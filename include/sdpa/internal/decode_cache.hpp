@@ -340,6 +340,23 @@ struct decode_cache_impl {
           }
         }
       }
+      if constexpr (std::is_same_v<Plain, float>) {
+        if (const Index run = longRun(plan, chunk, t, R); run > 1) {
+          // Long pieces alike (a paged sequence's blocks on first-generation Zen): several at
+          // once, column by column, each one's stream beside the others'.
+          sc.pieces.clear();
+          for (Index u = t; u < t + run; ++u) {
+            const Piece& pu = plan.cut[size_t(u)];
+            sc.pieces.push_back(at<Plain>(pu.k, pu.kHead, h));
+          }
+          withDecodeSimd([&](auto simd) {
+            cacheLongLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+          });
+          offset += run * p.count;
+          t += run - 1;
+          continue;
+        }
+      }
       ColumnsAhead ahead;
       if constexpr (!std::is_same_v<Plain, double>) {
         // Short pieces (paged blocks of up to 64 keys, a few KiB each in pages of their own, where
@@ -405,6 +422,20 @@ struct decode_cache_impl {
         ++u;
       return u - t;
     }
+  }
+
+  /// The float pieces from t on that logits() reads together column by column (cacheLongLogits):
+  /// longer than shortRun's (CpuVendor::groupedPieceKeys), columns close, the same count and
+  /// stride, at most CpuVendor::longPiecesAtOnce of them, for at most 4 rows; 1 otherwise.
+  static Index longRun(const Plan& plan, const Chunk& chunk, Index t, Index R) {
+    const Piece& p = plan.cut[size_t(t)];
+    const Index most = CpuVendor::longPiecesAtOnce();
+    if (most < 2 || R > 4 || p.count <= CpuVendor::groupedPieceKeys() || !columnsClose<float>(p.ld)) return 1;
+    Index u = t + 1;
+    while (u < chunk.last && u - t < most && !plan.cut[size_t(u)].quantised && plan.cut[size_t(u)].count == p.count &&
+           plan.cut[size_t(u)].ld == p.ld)
+      ++u;
+    return u - t;
   }
 
   /// dots rows (sc.rowsD) = weights (sc.rowsA) . v over the chunk's keys.
