@@ -758,10 +758,10 @@ TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's and first-generation Zen's memory or
   // no sum, so all three give the CPU's own order's bits, on every ISA path; the other tests check that
   // order against the reference. Blocks of 16-64 keys (short pieces, their successors
   // requested; q8/q4 from 32, a group), 100, 256 and 512 (fp16/bf16: the long-piece column
-  // kernels over close columns; float on first-generation Zen: four long pieces at once, column
-  // by column, 100 with keys past the last whole packet), the contiguous cache; 1, 4 (a GQA
-  // group) and 16 query rows per kv head (16: the wide blocks and the chunk requests, over 3
-  // chunks of float keys at d 64).
+  // kernels over close columns; on first-generation Zen four long pieces at once, column by
+  // column, float and half below 256 keys; 100 with keys past the last whole packet), the
+  // contiguous cache; 1, 4 (a GQA group) and 16 query rows per kv head (16: the wide blocks and
+  // the chunk requests, over 3 chunks of float keys at d 64).
   using sdpa::internal::CpuVendor;
   std::mt19937_64 gen(37);
   const Index d = 64, n = 5000;

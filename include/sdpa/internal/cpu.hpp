@@ -113,13 +113,14 @@ class IsaChoice {
  * and an Emerald Rapids Xeon), the next chunk's (8 rows 16.6 -> 13.1-13.3 ms, 16 rows 28.3 ->
  * 24.4-24.8) and those of paged blocks up to 32 keys, which are read several at once instead (fp32
  * blocks of 16 6.6-6.8 -> 4.7 ms, fp16 6.0-6.2 -> 4.0; blocks of 64 kept their requests: fp32 6.4
- * ms with, 7.2-7.5 without; half ones still do). Its float blocks of more than 32 keys are read
- * four at once, column by column (longPiecesAtOnce): one at a time, a block of 64-256 keys was a
- * single stream in address order, which its prefetcher followed page by page; fp32 blocks of 64 /
- * 256 took 1.35-1.38 / 1.41-1.44x the contiguous cache's time, now 1.14-1.16 / 1.05-1.07, and
- * through four caches in turn 1.26-1.29 / 1.28-1.36x, now 1.00-1.03 / 0.97-0.98 (session 52). The
- * CPU's own order, asked once; setOrder overrides it (tests: every order gives the same bits, and
- * the tests run each on any CPU). Without run-time dispatch, AMD's order.
+ * ms with, 7.2-7.5 without). Its blocks of more than 32 keys (float; half ones below the half
+ * column kernels' 256) are read four at once, column by column (longPiecesAtOnce): one at a time, a
+ * block of 64-256 keys was a single stream in address order, which its prefetcher followed page by
+ * page; fp32 blocks of 64 / 256 took 1.35-1.38 / 1.41-1.44x the contiguous cache's time, now
+ * 1.14-1.16 / 1.05-1.07, and through four caches in turn 1.26-1.29 / 1.28-1.36x, now 1.00-1.03 /
+ * 0.97-0.98; fp16 blocks of 64 1.12-1.16 -> 1.05-1.11 (session 52). The CPU's own order, asked
+ * once; setOrder overrides it (tests: every order gives the same bits, and the tests run each on
+ * any CPU). Without run-time dispatch, AMD's order.
  */
 class CpuVendor {
  public:
@@ -146,8 +147,9 @@ class CpuVendor {
         return 0;
     }
   }
-  /// How many long float pieces (a paged sequence's blocks of more than groupedPieceKeys keys,
-  /// columns close) the narrow decoding passes read at once, column by column: 4 in
+  /// How many long pieces (a paged sequence's blocks of more than groupedPieceKeys keys, columns
+  /// close; half ones only where the half column kernels do not take them) the narrow decoding
+  /// passes read at once, column by column: 4 in
   /// first-generation Zen's order (2: blocks of 64 1.20x the contiguous cache, 8: no faster than
   /// 4), 1 in the others (not measured there).
   static std::ptrdiff_t longPiecesAtOnce() { return order() == Order::FirstZen ? 4 : 1; }

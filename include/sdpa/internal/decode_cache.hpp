@@ -340,7 +340,7 @@ struct decode_cache_impl {
           }
         }
       }
-      if constexpr (std::is_same_v<Plain, float>) {
+      if constexpr (!std::is_same_v<Plain, double>) {
         if (const Index run = longRun(plan, chunk, t, R); run > 1) {
           // Long pieces alike (a paged sequence's blocks on first-generation Zen): several at
           // once, column by column, each one's stream beside the others'.
@@ -349,12 +349,18 @@ struct decode_cache_impl {
             const Piece& pu = plan.cut[size_t(u)];
             sc.pieces.push_back(at<Plain>(pu.k, pu.kHead, h));
           }
+          bool done = false;  // (a portable instance without half loads: piece by piece, below)
           withDecodeSimd([&](auto simd) {
-            cacheLongLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+            if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads) {
+              cacheLongLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+              done = true;
+            }
           });
-          offset += run * p.count;
-          t += run - 1;
-          continue;
+          if (done) {
+            offset += run * p.count;
+            t += run - 1;
+            continue;
+          }
         }
       }
       ColumnsAhead ahead;
@@ -424,13 +430,16 @@ struct decode_cache_impl {
     }
   }
 
-  /// The float pieces from t on that logits() reads together column by column (cacheLongLogits):
-  /// longer than shortRun's (CpuVendor::groupedPieceKeys), columns close, the same count and
-  /// stride, at most CpuVendor::longPiecesAtOnce of them, for at most 4 rows; 1 otherwise.
+  /// The float-like pieces from t on that logits() reads together column by column
+  /// (cacheLongLogits): longer than shortRun's (CpuVendor::groupedPieceKeys), columns close, the
+  /// same count and stride, at most CpuVendor::longPiecesAtOnce of them, for at most 4 rows, where
+  /// the half column kernels do not take the chunk; 1 otherwise.
   static Index longRun(const Plan& plan, const Chunk& chunk, Index t, Index R) {
     const Piece& p = plan.cut[size_t(t)];
     const Index most = CpuVendor::longPiecesAtOnce();
-    if (most < 2 || R > 4 || p.count <= CpuVendor::groupedPieceKeys() || !columnsClose<float>(p.ld)) return 1;
+    if (most < 2 || R > 4 || p.count <= CpuVendor::groupedPieceKeys() || !columnsClose<Plain>(p.ld) ||
+        halfColumns(plan, chunk) != half_columns::Path::None)
+      return 1;
     Index u = t + 1;
     while (u < chunk.last && u - t < most && !plan.cut[size_t(u)].quantised && plan.cut[size_t(u)].count == p.count &&
            plan.cut[size_t(u)].ld == p.ld)
