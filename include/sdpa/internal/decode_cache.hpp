@@ -318,9 +318,13 @@ struct decode_cache_impl {
       for (Index r = 0; r < R; ++r) sc.rowsO[size_t(r)] = sc.rowsS[size_t(r)] + offset;
       const Plain* k = at<Plain>(p.k, p.kHead, h);
       if constexpr (!std::is_same_v<Plain, double>) {
-        if (const Index run = shortRun(plan, chunk, t, R); run > 1) {
-          // Short pieces alike (a paged sequence's blocks), read without requests ahead: several
-          // at once, each one's logits too short a chain of multiply-adds to fill the FMA units.
+        // Pieces alike (a paged sequence's blocks), several at once: short ones without requests
+        // ahead, each one's logits too short a chain of multiply-adds to fill the FMA units
+        // (shortRun); long ones on first-generation Zen column by column, each one's stream beside
+        // the others' (longRun).
+        const Index shortPieces = shortRun(plan, chunk, t, R);
+        const Index run = shortPieces > 1 ? shortPieces : longRun(plan, chunk, t, R);
+        if (run > 1) {
           sc.pieces.clear();
           for (Index u = t; u < t + run; ++u) {
             const Piece& pu = plan.cut[size_t(u)];
@@ -329,30 +333,10 @@ struct decode_cache_impl {
           bool done = false;  // (a portable instance without half loads: piece by piece, below)
           withDecodeSimd([&](auto simd) {
             if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads) {
-              cacheShortLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
-              done = true;
-            }
-          });
-          if (done) {
-            offset += run * p.count;
-            t += run - 1;
-            continue;
-          }
-        }
-      }
-      if constexpr (!std::is_same_v<Plain, double>) {
-        if (const Index run = longRun(plan, chunk, t, R); run > 1) {
-          // Long pieces alike (a paged sequence's blocks on first-generation Zen): several at
-          // once, column by column, each one's stream beside the others'.
-          sc.pieces.clear();
-          for (Index u = t; u < t + run; ++u) {
-            const Piece& pu = plan.cut[size_t(u)];
-            sc.pieces.push_back(at<Plain>(pu.k, pu.kHead, h));
-          }
-          bool done = false;  // (a portable instance without half loads: piece by piece, below)
-          withDecodeSimd([&](auto simd) {
-            if constexpr (std::is_same_v<Plain, float> || decltype(simd)::kHalfLoads) {
-              cacheLongLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+              if (shortPieces > 1)
+                cacheShortLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
+              else
+                cacheLongLogits(simd, sc.rowsA.data(), R, sc.pieces.data(), run, p.ld, p.count, dK, sc.rowsO.data());
               done = true;
             }
           });
