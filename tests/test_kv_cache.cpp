@@ -748,14 +748,15 @@ TEMPLATE_TEST_CASE("KvCache: results do not depend on the thread count", "[kvcac
   CHECK((one.logSumExp.array() == two.logSumExp.array()).all());
 }
 
-TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's and first-generation Zen's memory orders give the same bits",
+TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's, first- and third-generation Zen's memory orders give the same bits",
                    "[kvcache][isa]", float, Eigen::half, Eigen::bfloat16, sdpa::kv::Q8, sdpa::kv::Q4) {
   // CpuVendor picks how decoding walks memory: requests ahead of short pieces and of the next
   // chunk (ColumnsAhead, ChunkPrefetch: made off Intel; first-generation Zen requests no chunk
   // and reads blocks of up to 32 keys several at once, as Intel), close half columns one at a
   // time or eight side by side (halfColumnByColumn: one at a time off Intel), the narrow logits
-  // passes' requests of the next columns (not on first-generation Zen). Requests and order change
-  // no sum, so all three give the CPU's own order's bits, on every ISA path; the other tests check that
+  // passes' requests of the next columns (not on first-generation Zen; third-generation Zen reads as
+  // the first but requests the next chunk). Requests and order change no sum, so all four give the
+  // CPU's own order's bits, on every ISA path; the other tests check that
   // order against the reference. Blocks of 16-64 keys (short pieces, their successors
   // requested; q8/q4 from 32, a group), 100, 256 and 512 (fp16/bf16: the long-piece column
   // kernels over close columns; on first-generation Zen four long pieces at once, column by
@@ -781,7 +782,7 @@ TEMPLATE_TEST_CASE("KvCache: Intel's, AMD's and first-generation Zen's memory or
       sdpa_test::forEachIsa([&](sdpa::internal::Isa) {
         CpuVendor::setOrder(CpuVendor::Order::Intel);
         const auto intel = sdpa::cachedAttentionForward(qs, cache.sequence(seq), heads, sdpa::scale::InvSqrtDk{}, mask);
-        for (const auto order : {CpuVendor::Order::Amd, CpuVendor::Order::FirstZen}) {
+        for (const auto order : {CpuVendor::Order::Amd, CpuVendor::Order::FirstZen, CpuVendor::Order::Zen3}) {
           INFO("order " << int(order));
           CpuVendor::setOrder(order);
           const auto other =

@@ -104,7 +104,7 @@ class IsaChoice {
 
 /**
  * How decoding reads memory: the order measured best on Intel's cores, on AMD's, or on the first
- * generation of AMD's Zen cores. Software requests ahead of the kernels (decode_cache.hpp's
+ * or third generation of AMD's Zen cores. Software requests ahead of the kernels (decode_cache.hpp's
  * ColumnsAhead and ChunkPrefetch) and the column order of short columns (half.hpp's
  * halfColumnByColumn) went opposite ways on the two vendors' prefetchers. First-generation Zen
  * (`znver1`: family 23, models below 0x30) takes AMD's order except three requests that cost it
@@ -118,30 +118,37 @@ class IsaChoice {
  * block of 64-256 keys was a single stream in address order, which its prefetcher followed page by
  * page; fp32 blocks of 64 / 256 took 1.35-1.38 / 1.41-1.44x the contiguous cache's time, now
  * 1.14-1.16 / 1.05-1.07, and through four caches in turn 1.26-1.29 / 1.28-1.36x, now 1.00-1.03 /
- * 0.97-0.98; fp16 blocks of 64 1.12-1.16 -> 1.05-1.11 (session 52). The CPU's own order, asked
- * once; setOrder overrides it (tests: every order gives the same bits, and the tests run each on
- * any CPU). Without run-time dispatch, AMD's order.
+ * 0.97-0.98; fp16 blocks of 64 1.12-1.16 -> 1.05-1.11 (session 52). Third-generation Zen
+ * (`znver3`) reads as the first does but keeps the multi-row blocks' chunk requests (session 53,
+ * medians of 12 alternated runs, AMD's order -> this one: one fp32 token 6.3 -> 5.4 ms, fp32 paged
+ * blocks of 16-64 7.2-7.4 -> 5.0-5.3 ms, of 256 7.8 -> 8.0, fp16 blocks of 16 5.4 -> 3.0, 8 heads
+ * over 65536 keys 51 -> 43 ms; 8 query rows 13.9 ms in AMD's order, 15.6 in the first Zen's, which
+ * does not request the next chunk). The CPU's own order,
+ * asked once; setOrder overrides it (tests: every order gives the same bits, and the tests run each
+ * on any CPU). Without run-time dispatch, AMD's order.
  */
 class CpuVendor {
  public:
-  enum class Order : int { Intel = 0, Amd = 1, FirstZen = 2 };
+  enum class Order : int { Intel = 0, Amd = 1, FirstZen = 2, Zen3 = 3 };
   static Order order() {
     const int forced = slot().load(std::memory_order_relaxed);
     return forced < 0 ? detected() : Order(forced);
   }
   static bool intel() { return order() == Order::Intel; }
   /// Whether the narrow logits passes over long columns request the next columns (rowLogits' Ahead).
-  static bool columnRequests() { return order() != Order::FirstZen; }
+  static bool columnRequests() { return order() != Order::FirstZen && order() != Order::Zen3; }
   /// Whether the multi-row blocks request the next chunk while they compute (ChunkPrefetch).
-  static bool chunkRequests() { return order() == Order::Amd; }
+  static bool chunkRequests() { return order() == Order::Amd || order() == Order::Zen3; }
   /// The most keys of the short pieces (a paged sequence's blocks) whose runs alike are read
   /// several at once without requests ahead, rather than one at a time with the piece after next
-  /// requested (ColumnsAhead): any in Intel's order, 32 in first-generation Zen's, none in AMD's.
+  /// requested (ColumnsAhead): any in Intel's order, 32 in first- and third-generation Zen's, none
+  /// in AMD's.
   static std::ptrdiff_t groupedPieceKeys() {
     switch (order()) {
       case Order::Intel:
         return PTRDIFF_MAX;
       case Order::FirstZen:
+      case Order::Zen3:
         return 32;
       default:
         return 0;
@@ -149,10 +156,10 @@ class CpuVendor {
   }
   /// How many long pieces (a paged sequence's blocks of more than groupedPieceKeys keys, columns
   /// close; half ones only where the half column kernels do not take them) the narrow decoding
-  /// passes read at once, column by column: 4 in
-  /// first-generation Zen's order (2: blocks of 64 1.20x the contiguous cache, 8: no faster than
-  /// 4), 1 in the others (not measured there).
-  static std::ptrdiff_t longPiecesAtOnce() { return order() == Order::FirstZen ? 4 : 1; }
+  /// passes read at once, column by column: 4 in first- and third-generation Zen's orders (on the
+  /// first, 2: blocks of 64 1.20x the contiguous cache, 8: no faster than 4), 1 in the others (not
+  /// measured there).
+  static std::ptrdiff_t longPiecesAtOnce() { return order() == Order::FirstZen || order() == Order::Zen3 ? 4 : 1; }
   /// Forces the order of later calls (-1: the CPU's own; not thread-safe against running
   /// kernels; tests only).
   static void setOrder(int forced) { slot().store(forced, std::memory_order_relaxed); }
@@ -164,7 +171,8 @@ class CpuVendor {
     static const Order order = [] {
       __builtin_cpu_init();
       if (__builtin_cpu_is("intel")) return Order::Intel;
-      return __builtin_cpu_is("znver1") ? Order::FirstZen : Order::Amd;
+      if (__builtin_cpu_is("znver1")) return Order::FirstZen;
+      return __builtin_cpu_is("znver3") ? Order::Zen3 : Order::Amd;
     }();
     return order;
 #else
