@@ -123,9 +123,9 @@ class IsaChoice {
  * medians of 12 alternated runs, AMD's order -> this one: one fp32 token 6.3 -> 5.4 ms, fp32 paged
  * blocks of 16-64 7.2-7.4 -> 5.0-5.3 ms, of 256 7.8 -> 8.0, fp16 blocks of 16 5.4 -> 3.0, 8 heads
  * over 65536 keys 51 -> 43 ms; 8 query rows 13.9 ms in AMD's order, 15.6 in the first Zen's, which
- * does not request the next chunk). The CPU's own order,
- * asked once; setOrder overrides it (tests: every order gives the same bits, and the tests run each
- * on any CPU). Without run-time dispatch, AMD's order.
+ * does not request the next chunk). The CPU's own order, asked once; setOrder overrides it (tests:
+ * every order gives the same bits, and the tests run each on any CPU). Without run-time dispatch,
+ * AMD's order.
  */
 class CpuVendor {
  public:
