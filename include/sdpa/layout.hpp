@@ -163,10 +163,15 @@ auto headBlock(X&& x, Index row, Index col, Index rows, Index cols) {
 /// The user's mask restricted to the valid rows and keys of a padded item, its alignment
 /// following the valid lengths (mask::internal::AlignedToLengths).
 template <typename Mask>
+auto itemMask(const Mask& mask, Index shift, Index queryLength, Index keyLength) {
+  return mask::combine(mask::internal::AlignedToLengths<Mask>{mask, shift}, mask::QueryLength{queryLength},
+                       mask::KeyLength{keyLength});
+}
+/// The shift of AlignedToLengths for item u: its valid lengths' diagonal against its rows'.
+inline Index itemShift(const ItemHead& u) { return (u.keyLength - u.queryLength) - (u.nK - u.nQ); }
+template <typename Mask>
 auto itemMask(const Mask& mask, const ItemHead& u) {
-  const Index shift = (u.keyLength - u.queryLength) - (u.nK - u.nQ);
-  return mask::combine(mask::internal::AlignedToLengths<Mask>{mask, shift}, mask::QueryLength{u.queryLength},
-                       mask::KeyLength{u.keyLength});
+  return itemMask(mask, itemShift(u), u.queryLength, u.keyLength);
 }
 
 /// The layout of a plain multi-head call: one item spanning every row. The calling thread's own

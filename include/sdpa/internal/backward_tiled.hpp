@@ -12,6 +12,7 @@
 #include "../layout.hpp"
 #include "../mask.hpp"
 #include "backward_fast.hpp"
+#include "erased_mask.hpp"
 #include "forward_naive.hpp"
 #include "forward_tiled.hpp"
 #include "macros.hpp"
@@ -66,7 +67,7 @@ struct backward_tiled_impl {
     bool finite;
     /// The logits before the mask, Y = tau q k^T, are kept beside L when L is not Y wherever
     /// it is visible: under a softcap or an additive mask.
-    bool keepY() const { return cap > 0 || Mask::HasBias; }
+    bool keepY() const { return cap > 0 || mask.hasBias(); }
   };
 
   /// The head's row statistics (n_q each): the softmax of each row over all keys, D_i =
@@ -431,21 +432,22 @@ struct BackwardRows {
   void* stats = nullptr;
 };
 
-template <typename Scalar, typename QView = ConstRef<Scalar>, typename KView = QView, typename VView = KView,
-          typename OView = QView, typename Mask>
-void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::type& q,
-                   const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
-                   const typename Identity<OView>::type& dO, const BatchLayout& layout, const Heads& heads,
-                   const HeadDims& dims, const HeadTaus<Scalar>& taus, const Mask& mask, const Dropout& dropout,
-                   Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
-                   Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
+template <typename Scalar, typename QView, typename KView, typename VView, typename OView>
+void backwardTiledKernel(const kernel::Tiled& kern, const typename Identity<QView>::type& q,
+                         const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                         const typename Identity<OView>::type& dO, const BatchLayout& layout, const Heads& heads,
+                         const HeadDims& dims, const HeadTaus<Scalar>& taus, const ErasedMask<Scalar>& mask,
+                         const Dropout& dropout, Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk,
+                         Eigen::Ref<Matrix<Scalar>> dv, Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias,
+                         BackwardRows from) {
   using Impl = backward_tiled_impl<Scalar>;
   if (dims.dK == 0 || dims.dV == 0) {
     if constexpr (!(std::is_same_v<QView, ConstRef<Scalar>> && std::is_same_v<KView, ConstRef<Scalar>> &&
                     std::is_same_v<VView, ConstRef<Scalar>> && std::is_same_v<OView, ConstRef<Scalar>>)) {
       // No data to read in place: the column-major route.
-      backwardTiled<Scalar>(kern, ConstRef<Scalar>(q), ConstRef<Scalar>(k), ConstRef<Scalar>(v), ConstRef<Scalar>(dO),
-                            layout, heads, dims, taus, mask, dropout, dq, dk, dv, dscale, dbias, from);
+      using Ref = ConstRef<Scalar>;
+      backwardTiledKernel<Scalar, Ref, Ref, Ref, Ref>(kern, Ref(q), Ref(k), Ref(v), Ref(dO), layout, heads, dims, taus,
+                                                      mask, dropout, dq, dk, dv, dscale, dbias, from);
       return;
     } else {
       // As in forwardTiled: blocks of a matrix without data at a row offset are undefined
@@ -466,11 +468,12 @@ void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::ty
       }
       const bool noK = dims.dK == 0;
       const bool noV = dims.dV == 0;
-      backwardTiled<Scalar>(kern, noK ? ConstRef<Scalar>(q1) : q, noK ? ConstRef<Scalar>(k1) : k,
-                            noV ? ConstRef<Scalar>(v1) : v, noV ? ConstRef<Scalar>(dO1) : dO, layout, heads,
-                            HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
-                            noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
-                            noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
+      using Ref = ConstRef<Scalar>;
+      backwardTiledKernel<Scalar, Ref, Ref, Ref, Ref>(
+          kern, noK ? Ref(q1) : q, noK ? Ref(k1) : k, noV ? Ref(v1) : v, noV ? Ref(dO1) : dO, layout, heads,
+          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
+          noK ? Eigen::Ref<Matrix<Scalar>>(dq1) : dq, noK ? Eigen::Ref<Matrix<Scalar>>(dk1) : dk,
+          noV ? Eigen::Ref<Matrix<Scalar>>(dv1) : dv, dscale, dbias, from);
       return;
     }
   }
@@ -503,7 +506,7 @@ void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::ty
   pairs.clear();
   forEachItemHead(layout, heads, [&](const ItemHead& u) { pairs.push_back(u); });
 
-  const Scalar cap = Scalar(mask::internal::softcapOf(mask));
+  const Scalar cap = Scalar(mask.softcap());
 
   // The fast path (fast::backwardBlock): float inputs, a CPU with its kernels, rows of the
   // call's own, a mask that only hides, no dropout, no bias gradient, and for every pair a scale
@@ -511,8 +514,8 @@ void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::ty
   // Else the general tiles below, which handle every special value.
   bool useFast = false;
   auto& base2 = plan.base2;
-  if constexpr (std::is_same_v<Scalar, float> && mask::internal::OnlyHides<Mask>::value) {
-    useFast = fast::available() && from.mode == BackwardRows::Own && !dropout.enabled() && !dbias;
+  if constexpr (std::is_same_v<Scalar, float>) {
+    useFast = mask.onlyHides() && fast::available() && from.mode == BackwardRows::Own && !dropout.enabled() && !dbias;
     base2.assign(pairs.size(), 0);
     for (size_t p = 0; useFast && p < pairs.size(); ++p) {
       const ItemHead& u = pairs[p];
@@ -747,6 +750,20 @@ void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::ty
     if (dbias) *dbias += dbiasT[t];
   }
   dscale += dscaleT.rowwise().sum().template cast<Scalar>();
+}
+
+/// backwardTiledKernel (above) with any mask: compiled once per precision and input layout, each
+/// mask type adds only its ErasedMask table.
+template <typename Scalar, typename QView = ConstRef<Scalar>, typename KView = QView, typename VView = KView,
+          typename OView = QView, typename Mask>
+void backwardTiled(const kernel::Tiled& kern, const typename Identity<QView>::type& q,
+                   const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                   const typename Identity<OView>::type& dO, const BatchLayout& layout, const Heads& heads,
+                   const HeadDims& dims, const HeadTaus<Scalar>& taus, const Mask& mask, const Dropout& dropout,
+                   Eigen::Ref<Matrix<Scalar>> dq, Eigen::Ref<Matrix<Scalar>> dk, Eigen::Ref<Matrix<Scalar>> dv,
+                   Eigen::Ref<Vector<Scalar>> dscale, Matrix<Scalar>* dbias, BackwardRows from = {}) {
+  backwardTiledKernel<Scalar, QView, KView, VView, OView>(
+      kern, q, k, v, dO, layout, heads, dims, taus, ErasedMask<Scalar>(mask), dropout, dq, dk, dv, dscale, dbias, from);
 }
 
 }  // namespace sdpa::internal

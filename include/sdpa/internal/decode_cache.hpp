@@ -19,6 +19,7 @@
 #include "../mask.hpp"
 #include "decode_pieces.hpp"
 #include "decode_rows.hpp"
+#include "erased_mask.hpp"
 #include "forward_tiled.hpp"
 #include "kv_quant.hpp"
 #include "online_softmax.hpp"
@@ -126,9 +127,15 @@ struct decode_cache_impl {
   /// Key splits: by the chunk count alone (never the thread count), at most 8.
   static Index splitsOf(Index chunks) { return std::clamp<Index>(chunks / 2, 1, 8); }
 
+  /// run with any mask: the kernel below is compiled once per storage, not once per mask type.
   template <typename Mask>
   static void run(const ConstRef<Acc>& q, const SequenceView& seq, const Heads& heads, Index dK, Index dV,
                   const HeadTaus<Acc>& taus, const Mask& mask, Eigen::Ref<Matrix<Acc>> out,
+                  Eigen::Ref<Matrix<Acc>> lse) {
+    run(q, seq, heads, dK, dV, taus, ErasedMask<Acc>(mask), out, lse);
+  }
+  static void run(const ConstRef<Acc>& q, const SequenceView& seq, const Heads& heads, Index dK, Index dV,
+                  const HeadTaus<Acc>& taus, const ErasedMask<Acc>& mask, Eigen::Ref<Matrix<Acc>> out,
                   Eigen::Ref<Matrix<Acc>> lse) {
     // The calling thread's plan (a reference: the workers' own thread_local would be empty).
     thread_local Plan callerPlan;
@@ -161,10 +168,10 @@ struct decode_cache_impl {
   }
 
   /// Rows [i0, i0 + bq) of the query heads of kv head h against chunks [c0, c1).
-  template <typename Mask, typename States>
+  template <typename States>
   static void block(const ConstRef<Acc>& q, const SequenceView& seq, const Plan& plan, Index c0, Index c1, Index h,
-                    Index G, Index i0, Index bq, Index dK, Index dV, const HeadTaus<Acc>& taus, const Mask& mask,
-                    States&& stateOf) {
+                    Index G, Index i0, Index bq, Index dK, Index dV, const HeadTaus<Acc>& taus,
+                    const ErasedMask<Acc>& mask, States&& stateOf) {
     Scratch& sc = threadScratch();
     const Index nQ = q.rows(), L = seq.length, R = G * bq;
     const Index limit = chunkKeys(dK, dV);
@@ -192,7 +199,7 @@ struct decode_cache_impl {
       const Index n = chunk.keys;
       Index Ra = 0;
       for (Index m = 0; m < G; ++m) {
-        const mask::Tile t = Mask::IsNone ? mask::Tile::Visible : mask.classify(i0, bq, chunk.pos, n, nQ, L, h * G + m);
+        const mask::Tile t = mask.none() ? mask::Tile::Visible : mask.classify(i0, bq, chunk.pos, n, nQ, L, h * G + m);
         sc.active[size_t(m)] = static_cast<char>(t == mask::Tile::Hidden ? 0 : t == mask::Tile::Partial ? 2 : 1);
         if (t == mask::Tile::Hidden) continue;
         for (Index i = 0; i < bq; ++i, ++Ra) {

@@ -717,7 +717,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
   // and the softmax takes exp2, whose reduction is cheaper than exp's (vexp2): the logits, their
   // maxima m and the weights are those of the natural tile in units of ln 2, and lse = m ln 2 +
   // log l. Not where q tau log2(e) might overflow a float that q tau does not.
-  const bool base2 = mask::internal::OnlyHides<Mask>::value && bounds.base2;
+  const bool base2 = mask.onlyHides() && bounds.base2;
   const float unit = base2 ? 1.44269504088896341f : 1.0f;
   // q^T (d_k x lanes), the scale folded in where foldsScaleIntoQuery says so; lanes past bq are
   // 0 (their logits are 0, never read back). The bf16 kernel's q^T holds pairs of q's own bf16
@@ -867,7 +867,7 @@ void forwardBlock(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k
       Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>> s(sT, rows, cols, Eigen::OuterStride<>(gl));
       // Entries out of range are hidden and never read by the softmax; the scale and a mask that
       // does more than hide read every entry, so there they are given a value first.
-      if (ranged && (!fold || !mask::internal::OnlyHides<Mask>::value))
+      if (ranged && (!fold || !mask.onlyHides()))
         for (Index h = 0; h < rows; h += group) {
           const Index n = std::min(group, rows - h), b = keyBegin[(g + h) / group], e = keyEnd[(g + h) / group];
           s.block(h, 0, n, b).setConstant(-std::numeric_limits<float>::infinity());

@@ -18,6 +18,7 @@
 #include "cpu.hpp"
 #include "decode_rows.hpp"
 #include "diagnostics_rows.hpp"
+#include "erased_mask.hpp"
 #include "forward_fast.hpp"
 #include "forward_naive.hpp"
 #include "half.hpp"
@@ -625,14 +626,13 @@ inline Index keySplits(bool decoding, Index nK, Index tileK) {
  * kernel (its raw q.k is a product of its own). QView, KView, VView: how q, k and v are read
  * (withInputViews): each ConstRef (column-major) or RowConstRef (row-major), in place.
  */
-template <typename In, typename Out, typename QView = ConstRef<In>, typename KView = QView, typename VView = KView,
-          typename Mask>
-void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::type& q,
-                  const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
-                  const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
-                  const HeadTaus<Accumulator<In>>& taus, const Mask& mask, const Dropout& dropout,
-                  Eigen::Ref<Matrix<Out>> out, Eigen::Ref<Matrix<Accumulator<In>>> lse,
-                  RowStats* const* stats = nullptr) {
+template <typename In, typename Out, typename QView, typename KView, typename VView>
+void forwardTiledKernel(const kernel::Tiled& kernel, const typename Identity<QView>::type& q,
+                        const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                        const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
+                        const HeadTaus<Accumulator<In>>& taus, const ErasedMask<Accumulator<In>>& mask,
+                        const Dropout& dropout, Eigen::Ref<Matrix<Out>> out, Eigen::Ref<Matrix<Accumulator<In>>> lse,
+                        RowStats* const* stats) {
   using Impl = forward_tiled_impl<In>;
   using Acc = Accumulator<In>;
   // Whether a block of `rows` rows against nK keys is decoding (the decoding path, which splits
@@ -642,8 +642,9 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       std::is_same_v<QView, ConstRef<In>> && std::is_same_v<KView, ConstRef<In>> && std::is_same_v<VView, ConstRef<In>>;
   if constexpr (!kColumnMajor) {
     if (dims.dK == 0 || dims.dV == 0) {  // no data to read in place: the column-major route
-      forwardTiled<In, Out>(kernel, ConstRef<In>(q), ConstRef<In>(k), ConstRef<In>(v), layout, heads, dims, taus, mask,
-                            dropout, out, lse, stats);
+      forwardTiledKernel<In, Out, ConstRef<In>, ConstRef<In>, ConstRef<In>>(kernel, ConstRef<In>(q), ConstRef<In>(k),
+                                                                            ConstRef<In>(v), layout, heads, dims, taus,
+                                                                            mask, dropout, out, lse, stats);
       return;
     }
   }
@@ -662,11 +663,11 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
       v1.setZero(v.rows(), heads.keyValue);
       out1.resize(out.rows(), heads.query);
     }
-    forwardTiled<In, Out>(kernel, dims.dK == 0 ? ConstRef<In>(q1) : ConstRef<In>(q),
-                          dims.dK == 0 ? ConstRef<In>(k1) : ConstRef<In>(k),
-                          dims.dV == 0 ? ConstRef<In>(v1) : ConstRef<In>(v), layout, heads,
-                          HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
-                          dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse, stats);
+    forwardTiledKernel<In, Out, ConstRef<In>, ConstRef<In>, ConstRef<In>>(
+        kernel, dims.dK == 0 ? ConstRef<In>(q1) : ConstRef<In>(q), dims.dK == 0 ? ConstRef<In>(k1) : ConstRef<In>(k),
+        dims.dV == 0 ? ConstRef<In>(v1) : ConstRef<In>(v), layout, heads,
+        HeadDims{std::max<Index>(dims.dK, 1), std::max<Index>(dims.dV, 1)}, taus, mask, dropout,
+        dims.dV == 0 ? Eigen::Ref<Matrix<Out>>(out1) : out, lse, stats);
     return;
   }
   const TileSizes tile = tileSizes(kernel, dims.dK, dims.dV);
@@ -722,7 +723,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     // A mask that hides leaves partial tiles along its edges, which cost more per entry (the mask
     // applied, the checked softmax) and cover bq / 2 keys of every row: at most 512 rows there
     // (causal n 4096, d 64, one thread: 1024 rows 0.56x the unmasked time, 512 0.545x).
-    const Index largestQ = Mask::IsNone ? 1024 : 512;
+    const Index largestQ = mask.none() ? 1024 : 512;
     // 256 keys per tile from d = 128 (n 4096, one thread: d 256 +2.5%, d 128 +1% over 128 keys).
     if (kernel.blockK <= 0) fastTile.k = std::max(dims.dK, dims.dV) >= 128 ? 256 : 128;
     if (kernel.blockQ <= 0 && threads > 1) {
@@ -732,12 +733,12 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
         const auto end = load.begin() + std::min(threads, kMaxThreads);
         // (In the order the units run: last first under a mask.)
         for (size_t p = pairs.size(); p-- > 0;) {
-          const ItemHead& u = pairs[Mask::IsNone ? pairs.size() - 1 - p : p];
+          const ItemHead& u = pairs[mask.none() ? pairs.size() - 1 - p : p];
           if (!prefill(u)) continue;
           const auto m = itemMask(mask, u);
           const Index blocks = (u.nQ + bq - 1) / bq;
           for (Index b = 0; b < blocks; ++b) {
-            const Index i0 = (Mask::IsNone ? b : blocks - 1 - b) * bq, rows = std::min(bq, u.nQ - i0);
+            const Index i0 = (mask.none() ? b : blocks - 1 - b) * bq, rows = std::min(bq, u.nQ - i0);
             double keys = 0.0;
             for (Index j0 = 0; j0 < u.nK; j0 += fastTile.k) {
               const Index cols = std::min(fastTile.k, u.nK - j0);
@@ -1025,7 +1026,7 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     // Grouped only where the groups still give every thread work.
     const bool grouped = groups < Index(units.size()) && groups >= threads && !stats;
     if (grouped) groupStart.push_back(Index(units.size()));
-    const bool latestFirst = !Mask::IsNone && threads > 1;
+    const bool latestFirst = !mask.none() && threads > 1;
     parallelFor(grouped ? groups : Index(units.size()), threads, [&](Index i) {
       auto& sc = Impl::threadScratch();
       if (!grouped || groupStart[size_t(i) + 1] - groupStart[size_t(i)] == 1) {
@@ -1101,6 +1102,20 @@ void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::t
     for (Index s = 1; s < w.splits; ++s) states[size_t(w.firstPart)].merge(states[size_t(w.firstPart + s)]);
     finish(w, states[size_t(w.firstPart)]);
   }
+}
+
+/// forwardTiledKernel (above) with any mask: the kernel is compiled once per precision and input
+/// layout, each mask type adds only its ErasedMask table.
+template <typename In, typename Out, typename QView = ConstRef<In>, typename KView = QView, typename VView = KView,
+          typename Mask>
+void forwardTiled(const kernel::Tiled& kernel, const typename Identity<QView>::type& q,
+                  const typename Identity<KView>::type& k, const typename Identity<VView>::type& v,
+                  const BatchLayout& layout, const Heads& heads, const HeadDims& dims,
+                  const HeadTaus<Accumulator<In>>& taus, const Mask& mask, const Dropout& dropout,
+                  Eigen::Ref<Matrix<Out>> out, Eigen::Ref<Matrix<Accumulator<In>>> lse,
+                  RowStats* const* stats = nullptr) {
+  forwardTiledKernel<In, Out, QView, KView, VView>(kernel, q, k, v, layout, heads, dims, taus,
+                                                   ErasedMask<Accumulator<In>>(mask), dropout, out, lse, stats);
 }
 
 }  // namespace sdpa::internal
