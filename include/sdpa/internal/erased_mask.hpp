@@ -19,8 +19,8 @@ namespace sdpa::internal {
  * its softcap) as values. The kernels are then compiled once per precision and input layout, not
  * once per mask type: every mask, combination and wrapper (padded items, context parallelism's
  * blocks) used to instantiate them whole (issue #15's template fan-out: the forward test group's
- * tiled forward 63 instantiations, now 8; its compile 14% shorter, the tiled, backward and fuzz
- * groups' 18-22%). A tile costs one indirect call to classify and, when it is partial, one to
+ * tiled forward 63 instantiations, now 8; its compile 10-14% shorter, the tiled, backward and
+ * fuzz groups' 18-22%). A tile costs one indirect call to classify and, when it is partial, one to
  * apply, against its O(tile d) products (the fast kernels' row groups of a partial tile classify
  * 16 keys a call: about 6 ns more a call than inlined, a causal forward's 0.3%); the mask's own
  * code is still compiled for its type, and its stages still run in the order Combined gives
