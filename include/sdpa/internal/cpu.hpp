@@ -135,31 +135,33 @@ class CpuVendor {
     return forced < 0 ? detected() : Order(forced);
   }
   static bool intel() { return order() == Order::Intel; }
+  /// The first-generation Zen's reads (first and third generation): no column requests, short
+  /// pieces several at once, long ones four at once.
+  static bool zenReads() {
+    const Order o = order();
+    return o == Order::FirstZen || o == Order::Zen3;
+  }
   /// Whether the narrow logits passes over long columns request the next columns (rowLogits' Ahead).
-  static bool columnRequests() { return order() != Order::FirstZen && order() != Order::Zen3; }
+  static bool columnRequests() { return !zenReads(); }
   /// Whether the multi-row blocks request the next chunk while they compute (ChunkPrefetch).
-  static bool chunkRequests() { return order() == Order::Amd || order() == Order::Zen3; }
+  static bool chunkRequests() {
+    const Order o = order();
+    return o == Order::Amd || o == Order::Zen3;
+  }
   /// The most keys of the short pieces (a paged sequence's blocks) whose runs alike are read
   /// several at once without requests ahead, rather than one at a time with the piece after next
   /// requested (ColumnsAhead): any in Intel's order, 32 in first- and third-generation Zen's, none
   /// in AMD's.
   static std::ptrdiff_t groupedPieceKeys() {
-    switch (order()) {
-      case Order::Intel:
-        return PTRDIFF_MAX;
-      case Order::FirstZen:
-      case Order::Zen3:
-        return 32;
-      default:
-        return 0;
-    }
+    if (order() == Order::Intel) return PTRDIFF_MAX;
+    return zenReads() ? 32 : 0;
   }
   /// How many long pieces (a paged sequence's blocks of more than groupedPieceKeys keys, columns
   /// close; half ones only where the half column kernels do not take them) the narrow decoding
   /// passes read at once, column by column: 4 in first- and third-generation Zen's orders (on the
   /// first, 2: blocks of 64 1.20x the contiguous cache, 8: no faster than 4), 1 in the others (not
   /// measured there).
-  static std::ptrdiff_t longPiecesAtOnce() { return order() == Order::FirstZen || order() == Order::Zen3 ? 4 : 1; }
+  static std::ptrdiff_t longPiecesAtOnce() { return zenReads() ? 4 : 1; }
   /// Forces the order of later calls (-1: the CPU's own; not thread-safe against running
   /// kernels; tests only).
   static void setOrder(int forced) { slot().store(forced, std::memory_order_relaxed); }

@@ -9,6 +9,7 @@
 
 #include "../layout.hpp"
 #include "../mask.hpp"
+#include "forward_naive.hpp"
 #include "macros.hpp"
 
 namespace sdpa::internal {
@@ -79,7 +80,7 @@ class ErasedMask {
   /// Whether a sink's raw q.k is the logit over tau (forward_naive.hpp's, for any mask).
   template <typename Scalar>
   friend bool rawIsLogitOverTau(const ErasedMask& m, Scalar tau) {
-    return !m.hasBias() && m.softcap() == 0 && tau != Scalar(0);
+    return rawIsLogitOverTau(m.hasBias(), m.softcap(), tau);
   }
 
  private:

@@ -75,9 +75,13 @@ void applyDropout(const Eigen::MatrixBase<Derived>& p_, const Dropout& dropout, 
 
 /// Whether a row's raw q.k is its logit / tau at every visible key (the diagnostics' raw sums
 /// then come from the logits'): no softcap, no bias, tau != 0.
+template <typename Scalar>
+bool rawIsLogitOverTau(bool hasBias, double softcap, Scalar tau) {
+  return !hasBias && softcap == 0 && tau != Scalar(0);
+}
 template <typename Mask, typename Scalar>
 bool rawIsLogitOverTau(const Mask& mask, Scalar tau) {
-  return !Mask::HasBias && mask::internal::softcapOf(mask) == 0 && tau != Scalar(0);
+  return rawIsLogitOverTau(Mask::HasBias, mask::internal::softcapOf(mask), tau);
 }
 
 /**
