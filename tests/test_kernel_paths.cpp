@@ -630,19 +630,28 @@ TEST_CASE("every ISA path of the float backward matches the fp64 reference  [see
 }
 
 TEST_CASE("the float backward keeps or recomputes a block's tiles: both within the rule", "[tiled][isa][backward]") {
-  // A block keeps its logits and dP against every key while 2 x 4 bytes x lanes x n_k fit 64 MiB
-  // (fast::backwardCaches), lanes its rows rounded up to the lane group (16 on AVX2, 32 on
-  // AVX-512): 113 rows are 128 lanes on both, and against 66000 keys (more than 65536) the
-  // second pass recomputes them. Keeping them is what every shorter test runs. (The fast paths
-  // only: the general tiles' own recomputation is test_tiled.cpp's.)
-  const Index nQ = 113, nK = 66000, d = 3;
+  // A block keeps its logits and dP against every key while 2 x 4 bytes x lanes x n_k fit a
+  // budget (fast::backwardCaches: 64 MiB, more than 65536 keys for 128 lanes), lanes its rows
+  // rounded up to the lane group (16 on AVX2, 32 on AVX-512). With the budget lowered to 128
+  // lanes x 600 keys, 113 rows (128 lanes on both) against 700 keys recompute them in the second
+  // pass; the default kernel's blocks halve to 64 rows, which keep them. Keeping them is what
+  // every other test runs. (The fast paths only: the general tiles' own recomputation is
+  // test_tiled.cpp's.)
+  struct Budget {
+    explicit Budget(Index bytes) { sdpa::internal::fast::setBackwardCacheBytes(bytes); }
+    ~Budget() { sdpa::internal::fast::setBackwardCacheBytes(sdpa::internal::fast::kBackwardFastCacheBytes); }
+    Budget(const Budget&) = delete;
+    Budget& operator=(const Budget&) = delete;
+  } budget(2 * 4 * 128 * 600);
+  const Index nQ = 113, nK = 700, d = 3;
   REQUIRE_FALSE(sdpa::internal::fast::backwardCaches(128, nK));
+  REQUIRE(sdpa::internal::fast::backwardCaches(64, nK));
   const Mat<float> q = randn<float>(nQ, d, 1, 2.0), k = randn<float>(nK, d, 2), v = randn<float>(nK, d, 3),
                    dO = randn<float>(nQ, d, 4);
   const long double tau = 1.0L / std::sqrt(3.0L);
   checkBackwardEveryIsa(
       q, k, v, dO, sdpa::scale::InvSqrtDk{}, mask::Causal{Align::LowerRight}, tau,
-      [=](Index i, Index j) { return j <= i + nK - nQ; }, {kernel::Tiled{128, 128}}, true);
+      [=](Index i, Index j) { return j <= i + nK - nQ; }, {kernel::Tiled{128, 128}, kernel::Tiled{}}, true);
 }
 
 TEST_CASE("the float backward: the AVX2 and AVX-512 paths give the same bits, GQA and batches included",
