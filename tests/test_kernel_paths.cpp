@@ -638,8 +638,9 @@ TEST_CASE("the float backward keeps or recomputes a block's tiles: both within t
   // every other test runs. (The fast paths only: the general tiles' own recomputation is
   // test_tiled.cpp's.)
   struct Budget {
+    Index before = sdpa::internal::fast::backwardCacheBytesSlot().load();
     explicit Budget(Index bytes) { sdpa::internal::fast::setBackwardCacheBytes(bytes); }
-    ~Budget() { sdpa::internal::fast::setBackwardCacheBytes(sdpa::internal::fast::kBackwardFastCacheBytes); }
+    ~Budget() { sdpa::internal::fast::setBackwardCacheBytes(before); }
     Budget(const Budget&) = delete;
     Budget& operator=(const Budget&) = delete;
   } budget(2 * 4 * 128 * 600);
